@@ -1,0 +1,200 @@
+"""Shared test helpers: hypothesis strategies for masks of every kind, and data-derived checks.
+
+A case draws the *structure* (shapes, lengths, which tokens are valid, the mask's kind,
+representation and layout) from hypothesis, and the tensor *values* from a seeded generator,
+so shrinking works on structure and the values stay random.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from hypothesis import strategies as st
+
+PACKABLE_KINDS = ("none", "key_padding", "prefix", "joint_text_first", "joint_image_first",
+                  "outer", "cross", "segments", "all_masked")
+UNPACKABLE_KINDS = ("random", "causal", "bias01", "per_head")
+REPS = ("bool", "neg_inf", "neg_10000", "finfo_min")
+
+
+@dataclass
+class Case:
+    kind: str
+    rep: str
+    q: torch.Tensor  # [B, Hq, Sq, D]
+    k: torch.Tensor  # [B, Hkv, Sk, D]
+    v: torch.Tensor  # [B, Hkv, Sk, Dv]
+    mask: torch.Tensor | None  # torch-convention mask (SDPA broadcasting)
+    model_mask: torch.Tensor | None  # batch-first mask for varlen_attn.attention
+    keep: torch.Tensor | None  # [B, H, Sq, Sk] bool meaning of the mask
+    gqa: bool
+    seed: int
+
+    def __repr__(self):
+        return (f"Case(kind={self.kind}, rep={self.rep}, q={tuple(self.q.shape)}, k={tuple(self.k.shape)}, "
+                f"v={tuple(self.v.shape)}, mask={None if self.mask is None else tuple(self.mask.shape)}, "
+                f"gqa={self.gqa}, seed={self.seed})")
+
+    def _repr_pretty_(self, p, cycle):  # hypothesis' failure report: no tensor dumps
+        p.text(repr(self))
+
+
+def _key_keep(draw, kind: str, b: int, sk: int, g: torch.Generator) -> torch.Tensor:
+    """[B, Sk] valid keys for the key-level kinds."""
+    if kind == "key_padding":
+        p = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+        keep = torch.rand(b, sk, generator=g) >= p
+    elif kind in ("prefix", "cross"):
+        lens = draw(st.lists(st.integers(0, sk), min_size=b, max_size=b))
+        keep = torch.arange(sk)[None, :] < torch.tensor(lens)[:, None]
+    elif kind in ("joint_text_first", "joint_image_first"):
+        t = draw(st.integers(1, max(1, sk - 1)))
+        lens = draw(st.lists(st.integers(0, t), min_size=b, max_size=b))
+        text = torch.arange(t)[None, :] < torch.tensor(lens)[:, None]
+        image = torch.ones(b, sk - t, dtype=torch.bool)
+        keep = torch.cat([text, image] if kind == "joint_text_first" else [image, text], dim=1)
+    else:  # all_masked
+        keep = torch.zeros(b, sk, dtype=torch.bool)
+    return keep
+
+
+def _represent(keep: torch.Tensor, rep: str, dtype: torch.dtype) -> torch.Tensor:
+    if rep == "bool":
+        return keep
+    neg = {"neg_inf": float("-inf"), "neg_10000": -10000.0, "finfo_min": torch.finfo(dtype).min}[rep]
+    return torch.zeros(keep.shape, dtype=dtype).masked_fill(~keep, neg)
+
+
+@st.composite
+def cases(draw, dtype=torch.float64, kinds=PACKABLE_KINDS, reps=REPS, max_s=24, head_dims=(8, 16, 24, 40, 64, 128, 256)):
+    kind = draw(st.sampled_from(kinds))
+    b = draw(st.integers(1, 3))
+    hkv = draw(st.integers(1, 3))
+    gqa = draw(st.booleans())
+    hq = hkv * draw(st.integers(2, 3)) if gqa else hkv
+    sk = draw(st.integers(1, max_s))
+    sq = draw(st.integers(1, max_s)) if kind == "cross" else sk
+    d = draw(st.sampled_from(head_dims))
+    dv = draw(st.sampled_from([d, 8])) if d != 8 else d
+    seed = draw(st.integers(0, 2**31 - 1))
+    g = torch.Generator().manual_seed(seed)
+    rep = draw(st.sampled_from(reps))
+
+    keep = None  # [B, 1|H, Sq, Sk]
+    if kind in ("key_padding", "prefix", "joint_text_first", "joint_image_first", "cross", "all_masked"):
+        keep = _key_keep(draw, kind, b, sk, g)[:, None, None, :].expand(b, 1, sq, sk)
+    elif kind == "outer":
+        m = _key_keep(draw, draw(st.sampled_from(["key_padding", "joint_text_first", "prefix"])), b, sk, g)
+        keep = (m[:, None, :, None] & m[:, None, None, :])
+    elif kind == "segments":
+        nseg = draw(st.integers(1, 4))
+        ids = torch.randint(-1, nseg, (b, sk), generator=g)
+        keep = ((ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] >= 0))[:, None]
+    elif kind == "random":
+        keep = (torch.rand(b, 1, sq, sk, generator=g) > 0.5)
+    elif kind == "causal":
+        keep = torch.ones(sq, sk, dtype=torch.bool).tril().expand(b, 1, sq, sk)
+    elif kind == "per_head":
+        keep = torch.rand(b, hq, 1, sk, generator=g) > 0.5
+        keep = keep.expand(b, hq, sq, sk)
+
+    # finfo.min on a row with no valid key: SDPA's scores vanish in rounding (see README).
+    if rep == "finfo_min" and keep is not None and not keep.any(-1).all():
+        rep = "neg_10000"
+    mask = model_mask = None
+    if kind == "bias01":
+        mask = (torch.rand(b, 1, sq, sk, generator=g) > 0.5).to(dtype)
+        model_mask = mask
+    elif keep is not None:
+        form = draw(st.sampled_from(["b1sk", "bhsk", "full"]))
+        keep_b = keep.expand(b, keep.shape[1], sq, sk)
+        if keep.shape[2] == sq and kind not in ("outer", "segments", "random", "causal") and form == "b1sk":
+            m4 = keep_b[:, :, :1]  # [B, 1|H, 1, Sk]
+        elif form == "bhsk":
+            m4 = keep_b.expand(b, hq, sq, sk)
+        else:
+            m4 = keep_b
+        mask = _represent(m4.contiguous(), rep, dtype)
+        model_mask = mask
+        if m4.shape[1] == 1 and m4.shape[2] == 1 and draw(st.booleans()):
+            model_mask = mask[:, 0, 0]  # [B, Sk]: the layout models pass around
+    q = torch.randn(b, hq, sq, d, generator=g, dtype=torch.float64).to(dtype)
+    k = torch.randn(b, hkv, sk, d, generator=g, dtype=torch.float64).to(dtype)
+    v = torch.randn(b, hkv, sk, dv, generator=g, dtype=torch.float64).to(dtype)
+    return Case(kind, rep, q, k, v, mask, model_mask, None if keep is None else keep.expand(b, hq, sq, sk), gqa, seed)
+
+
+def run_with_grads(fn, case: Case, dtype: torch.dtype):
+    """Output and grads of q, k, v for ``fn(q, k, v)`` at ``dtype``, under a random loss."""
+    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (case.q, case.k, case.v))
+    out = fn(q, k, v)
+    g = torch.Generator().manual_seed(case.seed + 1)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+    (out * w).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def sdpa_fn(case: Case, mask_dtype: torch.dtype, exact: bool = False):
+    """SDPA with the case's mask; ``exact=True`` uses the mask's meaning as a bool mask instead,
+    which avoids SDPA's rounding of ``score - 10000`` in rows where every key is masked."""
+    mask = case.mask
+    if exact and effective_keep(case) is not None:
+        mask = effective_keep(case)
+    elif mask is not None and mask.is_floating_point():
+        mask = mask.to(mask_dtype)
+
+    def fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=case.gqa)
+
+    return fn
+
+
+def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    return (a.double() - ref.double()).abs().max().item()
+
+
+FLOOR_ULPS = 32
+
+
+def effective_keep(case: Case) -> torch.Tensor | None:
+    """What SDPA computes with ``case.mask``, as bool [B, H, Sq, Sk]: a row whose keys all carry
+    the same large finite negative attends to every key (softmax is shift invariant)."""
+    if case.mask is None or case.keep is None:
+        return None
+    keep = case.keep
+    if case.rep in ("neg_10000", "finfo_min"):
+        keep = keep | ~keep.any(-1, keepdim=True)
+    return keep
+
+
+def is_segment_pattern(keep: torch.Tensor) -> bool:
+    """Brute-force oracle: every head equal, and any two query rows attend equal or disjoint
+    key sets. Independent of the library's vectorised test."""
+    if not bool((keep == keep[:, :1]).all()):
+        return False
+    for b in range(keep.shape[0]):
+        rows = {tuple(r.tolist()) for r in keep[b, 0] if r.any()}
+        sets = [frozenset(i for i, x in enumerate(r) if x) for r in rows]
+        for i, a in enumerate(sets):
+            for c in sets[i + 1:]:
+                if a & c:
+                    return False
+    return True
+
+
+def assert_matches(got, ref64, baseline, dtype, names=("out", "dq", "dk", "dv")):
+    """Data-derived tolerance (attention-gym's rule): ``got`` may be at most 2x as far from the
+    float64 result as ``baseline`` (SDPA at the same precision) is, plus a floor of a few ulps
+    of the result's scale (both can be exact by luck on tiny inputs). NaN never passes."""
+    eps = torch.finfo(dtype).eps
+    for name, a, r, bl in zip(names, got, ref64, baseline):
+        assert not torch.isnan(a).any(), f"{name}: NaN"
+        assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
+        scale = r.abs().max().item() if r.numel() else 0.0
+        tol = 2.0 * max_err(bl, r) + FLOOR_ULPS * eps * max(scale, 1.0)
+        err = max_err(a, r)
+        assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e} (dtype {dtype})"

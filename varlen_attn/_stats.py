@@ -1,0 +1,61 @@
+"""Process-wide diagnostics: which backend ran, how often, every fallback and why.
+
+Counters are plain ints behind a lock; reading them never touches a tensor. Each distinct
+fallback reason is logged once as a warning (then at DEBUG level), not once per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+
+logger = logging.getLogger("varlen_attn")
+
+_lock = threading.Lock()
+_backends: Counter[str] = Counter()
+_fallbacks: Counter[str] = Counter()
+_counts: Counter[str] = Counter()
+
+
+def record_backend(name: str) -> None:
+    with _lock:
+        _backends[name] += 1
+    logger.debug("attention ran on backend %r", name)
+
+
+def record_fallback(reason: str) -> None:
+    with _lock:
+        first = reason not in _fallbacks
+        _fallbacks[reason] += 1
+    (logger.warning if first else logger.debug)("varlen_attn fell back to masked SDPA: %s", reason)
+
+
+def record_plan_build() -> None:
+    with _lock:
+        _counts["plan_builds"] += 1
+
+
+def record_host_sync() -> None:
+    with _lock:
+        _counts["host_syncs"] += 1
+
+
+def stats() -> dict:
+    """Snapshot: ``{"backends": {name: calls}, "fallbacks": {reason: calls},
+    "plan_builds": n, "host_syncs": n}`` since the last :func:`reset_stats`."""
+    with _lock:
+        return {
+            "backends": dict(_backends),
+            "fallbacks": dict(_fallbacks),
+            "plan_builds": _counts["plan_builds"],
+            "host_syncs": _counts["host_syncs"],
+        }
+
+
+def reset_stats() -> None:
+    """Zero every counter (fallback warnings are shown again afterwards)."""
+    with _lock:
+        _backends.clear()
+        _fallbacks.clear()
+        _counts.clear()

@@ -1,0 +1,98 @@
+"""What every varlen backend declares and answers (xformers fmha's idea: capabilities as data).
+
+A backend computes attention on packed tensors ``q [total_q, Hq, D]``, ``k [total_k, Hkv, D]``,
+``v [total_k, Hkv, Dv]`` segment by segment as laid out by a :class:`~varlen_attn.plan.VarlenPlan`,
+and returns ``[total_q, Hq, Dv]`` in ``q.dtype``. Causal masking is bottom-right aligned within
+each segment (flash-attn's convention; the same as top-left when a segment's query and key
+lengths are equal).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+
+from ..plan import VarlenPlan
+
+
+@dataclass(frozen=True)
+class VarlenInputs:
+    """One varlen call: packed tensors, the plan, and the options."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    plan: VarlenPlan
+    scale: float
+    causal: bool = False
+    dropout_p: float = 0.0
+
+    def describe(self) -> str:
+        return (
+            f"q {tuple(self.q.shape)} {self.q.dtype}, k {tuple(self.k.shape)}, "
+            f"v {tuple(self.v.shape)}, device {self.q.device}, causal={self.causal}, "
+            f"dropout_p={self.dropout_p}, segments={self.plan.num_segments}, "
+            f"max_seqlen_q={self.plan.max_seqlen_q}, max_seqlen_k={self.plan.max_seqlen_k}"
+        )
+
+
+def empty_output(inp: VarlenInputs) -> torch.Tensor:
+    """``[0, Hq, Dv]`` output still connected to q, k and v, so their gradients are zeros (as
+    SDPA's are for a batch whose every row is masked) rather than missing."""
+    tie = inp.q[:0].sum() + inp.k[:0].sum() + inp.v[:0].sum()
+    return inp.q.new_zeros(0, inp.q.shape[1], inp.v.shape[-1]) + tie
+
+
+class Backend:
+    """Base class. Subclasses set the capability attributes and implement :meth:`forward`."""
+
+    NAME: str = ""
+    REQUIRES: tuple[str, ...] = ()  # importable module names the backend needs
+    SUPPORTED_DEVICES: frozenset[str] = frozenset({"cpu", "cuda"})
+    SUPPORTED_DTYPES: frozenset[torch.dtype] = frozenset(
+        {torch.float16, torch.bfloat16, torch.float32, torch.float64}
+    )
+    MIN_COMPUTE_CAPABILITY: tuple[int, int] | None = None
+    MAX_HEAD_DIM: int | None = None
+    SUPPORTS_GQA: bool = True
+    SUPPORTS_CAUSAL: bool = True
+    SUPPORTS_DROPOUT: bool = True
+    SUPPORTS_DIFFERENT_V_DIM: bool = True
+
+    def is_installed(self) -> bool:
+        return all(importlib.util.find_spec(m) is not None for m in self.REQUIRES)
+
+    def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
+        reasons = []
+        if not self.is_installed():
+            reasons.append(f"not installed (needs {', '.join(self.REQUIRES)})")
+        dev = inp.q.device
+        if dev.type not in self.SUPPORTED_DEVICES:
+            reasons.append(f"device {dev.type} not in {sorted(self.SUPPORTED_DEVICES)}")
+        elif dev.type == "cuda" and self.MIN_COMPUTE_CAPABILITY is not None:
+            cc = torch.cuda.get_device_capability(dev)
+            if cc < self.MIN_COMPUTE_CAPABILITY:
+                reasons.append(f"compute capability {cc} < {self.MIN_COMPUTE_CAPABILITY}")
+        if inp.q.dtype not in self.SUPPORTED_DTYPES:
+            names = sorted(str(d) for d in self.SUPPORTED_DTYPES)
+            reasons.append(f"dtype {inp.q.dtype} not in {names}")
+        d = max(inp.q.shape[-1], inp.v.shape[-1])
+        if self.MAX_HEAD_DIM is not None and d > self.MAX_HEAD_DIM:
+            reasons.append(f"head dim {d} > {self.MAX_HEAD_DIM}")
+        if not self.SUPPORTS_GQA and inp.q.shape[1] != inp.k.shape[1]:
+            reasons.append("grouped-query attention (Hq != Hkv) not supported")
+        if not self.SUPPORTS_CAUSAL and inp.causal:
+            reasons.append("causal not supported")
+        if not self.SUPPORTS_DROPOUT and inp.dropout_p > 0:
+            reasons.append("dropout not supported")
+        if not self.SUPPORTS_DIFFERENT_V_DIM and inp.q.shape[-1] != inp.v.shape[-1]:
+            reasons.append("value head dim different from query head dim not supported")
+        return reasons
+
+    def forward(self, inp: VarlenInputs) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<varlen backend {self.NAME!r}>"

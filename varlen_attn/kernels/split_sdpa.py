@@ -1,0 +1,46 @@
+"""``split_sdpa``: one dense ``F.scaled_dot_product_attention`` call per packed segment.
+
+Needs nothing beyond torch. Each call is unmasked, so SDPA can take its fastest kernel
+(cuDNN or flash on Hopper). Segment lengths come from the plan's host copies: no sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._base import Backend, VarlenInputs, empty_output
+
+
+class SplitSdpaBackend(Backend):
+    NAME = "split_sdpa"
+
+    def forward(self, inp: VarlenInputs) -> torch.Tensor:
+        p = inp.plan
+        gqa = inp.q.shape[1] != inp.k.shape[1]
+        outs = []
+        q_off = k_off = 0
+        for lq, lk in zip(p.seqlens_q, p.seqlens_k):
+            # [L, H, D] -> [1, H, L, D], SDPA's layout.
+            q = inp.q[q_off:q_off + lq].transpose(0, 1)[None]
+            k = inp.k[k_off:k_off + lk].transpose(0, 1)[None]
+            v = inp.v[k_off:k_off + lk].transpose(0, 1)[None]
+            q_off, k_off = q_off + lq, k_off + lk
+            if lk == 0:
+                outs.append(q.new_zeros(lq, q.shape[1], v.shape[-1]))
+                continue
+            mask, is_causal = None, False
+            if inp.causal and lq == lk:
+                is_causal = True
+            elif inp.causal:
+                # flash-attn aligns causal masks bottom-right; SDPA's is_causal is top-left.
+                # Rows left with no key come out as zeros (SDPA >= 2.5), as in flash-attn.
+                mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=inp.dropout_p, is_causal=is_causal,
+                scale=inp.scale, enable_gqa=gqa,
+            )
+            outs.append(o[0].transpose(0, 1))
+        if not outs:
+            return empty_output(inp)
+        return torch.cat(outs, dim=0)

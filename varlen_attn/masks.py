@@ -1,0 +1,150 @@
+"""Masks in, meaning out: read an attention mask as a set of packed segments, on the device.
+
+This is the bottom layer. It turns any mask that reaches attention in practice into
+
+* ``seg_q[b, i]``: the segment query ``i`` of batch element ``b`` belongs to, or -1 when the
+  query attends no key (SDPA returns zeros for that row);
+* ``seg_k[b, j]``: the segment key ``j`` belongs to, or -1 when no query attends it;
+
+such that ``keep[b, h, i, j] == (seg_q[b, i] == seg_k[b, j] >= 0)`` for every head. That is
+exactly the class of masks a varlen kernel can compute: a block diagonal of full blocks after
+a permutation, plus empty rows. A segment's id is the position of its first key, so ids are
+unique within a batch element and ordered by position.
+
+Everything here runs on the mask's device without a host sync; the few facts that decide
+whether the mask can be packed come back as device scalars in :class:`MaskAnalysis.flags`,
+and the plan layer reads them in its one sync.
+
+Additive float masks follow softmax's shift invariance, which is what SDPA computes: in each
+query row, the keys whose value equals the row maximum are kept; a key at least
+:data:`DROP_GAP` below the maximum (``-inf``, ``-10000``, ``finfo.min``) contributes
+``exp(-1000)`` relative weight, which underflows to exactly zero even in float64, so it is
+dropped; anything in between is a real bias and the mask is not packable. Hence a row where
+every key carries ``-10000`` attends to *all* its keys, as SDPA does, and a row of ``-inf``
+returns zeros. Bool masks: True keeps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ._errors import InputTypeError, InputValueError, describe
+
+DROP_GAP = 1000.0
+"""A float mask value this far below its row's maximum drops the key (exp(-1000) == 0.0)."""
+
+# Order of the device flags that decide packability; the plan layer turns them into reasons.
+FLAG_NAMES = ("nan", "posinf", "bias", "per_head")
+
+
+@dataclass(frozen=True, eq=False)
+class MaskAnalysis:
+    """Device-side reading of a mask; see the module docstring. No field has been synced."""
+
+    seg_q: torch.Tensor  # [B, Sq] int64, -1 = query attends nothing
+    seg_k: torch.Tensor  # [B, Sk] int64, -1 = key attended by no query
+    flags: torch.Tensor  # [len(FLAG_NAMES) + 1] int64; last: 1 if keep != segment structure
+    batch_size: int
+    seqlen_q: int
+    seqlen_k: int
+
+
+def canonical_mask(
+    attn_mask: torch.Tensor,
+    *,
+    batch_size: int,
+    num_heads: int | None,
+    seqlen_q: int,
+    seqlen_k: int,
+    convention: str = "model",
+) -> torch.Tensor:
+    """View ``attn_mask`` as ``[B|1, H|1, Sq|1, Sk]`` without copying.
+
+    ``convention="torch"`` broadcasts exactly as ``F.scaled_dot_product_attention`` does (a 2-D
+    mask is ``[Sq, Sk]``). ``convention="model"`` reads the layouts models hand around, batch
+    first: ``[Sk]``, ``[B, Sk]``, ``[B, 1|Sq, Sk]``, ``[B*H, 1|Sq, Sk]`` (diffusers'
+    ``prepare_attention_mask``, needs ``num_heads``) and ``[B, 1|H, 1|Sq, Sk]``.
+    """
+    if not isinstance(attn_mask, torch.Tensor):
+        raise InputTypeError(f"attn_mask must be a torch.Tensor or None, got {describe(attn_mask)}")
+    if attn_mask.dtype != torch.bool and not attn_mask.is_floating_point():
+        raise InputTypeError(
+            f"attn_mask must be bool (True = keep) or floating point (added to the scores), "
+            f"got dtype {attn_mask.dtype}"
+        )
+    heads = num_heads if num_heads is not None else 1
+    full = (batch_size, heads, seqlen_q, seqlen_k)
+    m = attn_mask
+    if convention == "torch":
+        if m.dim() > 4 or m.dim() == 0:
+            raise InputValueError(
+                f"attn_mask must have 1 to 4 dims broadcastable to [B, H, Sq, Sk] = {list(full)}, "
+                f"got shape {tuple(m.shape)}"
+            )
+        m = m.reshape((1,) * (4 - m.dim()) + tuple(m.shape))
+    elif convention == "model":
+        if m.dim() == 1:
+            m = m.view(1, 1, 1, -1)
+        elif m.dim() == 2:
+            m = m[:, None, None, :]
+        elif m.dim() == 3:
+            if num_heads and num_heads > 1 and m.shape[0] == batch_size * num_heads != batch_size:
+                m = m.view(batch_size, num_heads, m.shape[1], m.shape[2])
+            else:
+                m = m[:, None]
+        elif m.dim() != 4:
+            raise InputValueError(
+                f"attn_mask must be [Sk], [B, Sk], [B, Sq, Sk], [B*H, Sq, Sk] or [B, H, Sq, Sk] "
+                f"with B={batch_size}, H={num_heads}, Sq={seqlen_q}, Sk={seqlen_k}; "
+                f"got shape {tuple(m.shape)}"
+            )
+    else:
+        raise InputValueError(f"convention must be 'torch' or 'model', got {convention!r}")
+    for axis, (got, want) in enumerate(zip(m.shape, full)):
+        if got != want and got != 1 and not (axis == 1 and num_heads is None):
+            raise InputValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
+                f"[B, H, Sq, Sk] = {list(full)}: dim {axis} is {got}, expected {want} or 1"
+            )
+    if m.shape[-1] != seqlen_k:
+        raise InputValueError(
+            f"attn_mask's last dim must be the key length Sk={seqlen_k}, "
+            f"got shape {tuple(attn_mask.shape)}"
+        )
+    return m
+
+
+def analyze(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int) -> MaskAnalysis:
+    """Read a ``[B|1, H|1, Sq|1, Sk]`` mask as segments (see the module docstring). No sync."""
+    if mask4.dtype == torch.bool:
+        keep = mask4
+        nan = posinf = bias = torch.zeros((), dtype=torch.bool, device=mask4.device)
+    else:
+        nan = torch.isnan(mask4).any()
+        posinf = torch.isposinf(mask4).any()
+        row_max = mask4.amax(dim=-1, keepdim=True)
+        # -inf row max: every key dropped, SDPA returns a zero row.
+        keep = (mask4 == row_max) & (row_max > float("-inf"))
+        bias = ((mask4 != row_max) & (mask4 > row_max - DROP_GAP)).any()
+    if keep.shape[1] > 1:
+        per_head = (keep != keep[:, :1]).any()
+    else:
+        per_head = torch.zeros((), dtype=torch.bool, device=mask4.device)
+    keep = keep[:, 0]  # [B|1, Sq|1, Sk]
+
+    seqlen_k = keep.shape[-1]
+    row_any = keep.any(dim=-1)
+    # argmax returns the first maximal index: the first kept key of each row is its segment id.
+    seg_row = torch.where(row_any, keep.to(torch.uint8).argmax(dim=-1), -1)
+    col_any = keep.any(dim=-2)
+    first_row = keep.to(torch.uint8).argmax(dim=-2)
+    seg_col = torch.where(col_any, seg_row.gather(-1, first_row), -1)
+    rebuilt = (seg_row[..., :, None] == seg_col[..., None, :]) & (seg_row[..., :, None] >= 0)
+    structure = (rebuilt != keep).any()
+
+    seg_q = seg_row.expand(batch_size, seqlen_q)
+    seg_k = seg_col.expand(batch_size, seqlen_k)
+    flags = torch.stack([nan, posinf, bias, per_head, structure]).to(torch.int64)
+    return MaskAnalysis(seg_q, seg_k, flags, batch_size, seqlen_q, seqlen_k)

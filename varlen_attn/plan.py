@@ -1,0 +1,346 @@
+"""The batch plan: a mask turned, once, into what a varlen kernel needs.
+
+``build_plan(mask, ...)`` reads the mask on its device (:mod:`varlen_attn.masks`), copies the
+few numbers the host needs in **one** device-to-host transfer, and returns a frozen
+:class:`VarlenPlan`: ``cu_seqlens_q/k`` (int32, on the device), gather indices for queries
+and keys (int64, on the device), ``max_seqlen_q/k`` and token totals as Python ints, and host
+copies of every segment length. Using a plan never syncs.
+
+Plans are cached by mask tensor *object* (and its in-place version counter): every layer that
+is handed the same mask tensor gets the same plan without rebuilding it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from . import _stats
+from ._errors import InputTypeError, InputValueError, NotPackableError, describe
+from .masks import FLAG_NAMES, analyze, canonical_mask
+
+_REASONS = {
+    "nan": "attn_mask contains NaN",
+    "posinf": "attn_mask contains +inf",
+    "bias": (
+        "attn_mask is an additive bias, not a padding pattern: some values are neither the "
+        "row maximum nor at least 1000 below it (a float 0/1 mask, ALiBi or a learned bias)"
+    ),
+    "per_head": "attn_mask keeps different keys in different heads",
+    "structure": (
+        "attn_mask is not a padding/segment pattern: two queries attend overlapping but "
+        "different key sets (e.g. causal, sliding-window or arbitrary per-query masks)"
+    ),
+}
+
+
+@dataclass(frozen=True, eq=False)
+class VarlenPlan:
+    """Packing metadata for one batch; build it with :func:`build_plan` or :func:`plan_from_seqlens`.
+
+    A packed tensor holds the valid tokens of every segment back to back, segments in batch
+    order and, within a batch element, in order of their first key's position; tokens of a
+    segment keep their order. Segment ``s`` covers packed rows
+    ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` of the queries and ``cu_seqlens_k[s]:cu_seqlens_k[s+1]``
+    of the keys. Query positions in no segment attend nothing: attention returns zeros there.
+
+    Attributes:
+        batch_size, seqlen_q, seqlen_k: the padded shape ``[B, Sq]`` / ``[B, Sk]``.
+        packable: False when the mask is not a padding pattern; ``reason`` says why and every
+            tensor field is None (attention then goes to SDPA with the original mask).
+        cu_seqlens_q, cu_seqlens_k: ``[num_segments + 1]`` int32 on the mask's device.
+        indices_q, indices_k: ``[total_q]`` / ``[total_k]`` int64 positions into ``B*Sq`` / ``B*Sk``.
+        seqlens_q, seqlens_k: host tuples of segment lengths; ``segment_batch`` their batch index.
+        max_seqlen_q, max_seqlen_k, total_q, total_k: Python ints.
+        q_identity, k_identity: True when the packed order is the padded order (nothing to gather).
+        self_aligned: True when queries and keys are the same positions in the same segments
+            (self-attention), so causal masking by rank within a segment equals causal by position.
+    """
+
+    batch_size: int
+    seqlen_q: int
+    seqlen_k: int
+    packable: bool
+    reason: str | None = None
+    device: torch.device | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    indices_q: torch.Tensor | None = None
+    indices_k: torch.Tensor | None = None
+    seqlens_q: tuple[int, ...] = ()
+    seqlens_k: tuple[int, ...] = ()
+    segment_batch: tuple[int, ...] = ()
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    total_q: int = 0
+    total_k: int = 0
+    q_identity: bool = False
+    k_identity: bool = False
+    self_aligned: bool = False
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.seqlens_q)
+
+    def __repr__(self) -> str:
+        if not self.packable:
+            return f"VarlenPlan(B={self.batch_size}, Sq={self.seqlen_q}, Sk={self.seqlen_k}, not packable: {self.reason})"
+        return (
+            f"VarlenPlan(B={self.batch_size}, Sq={self.seqlen_q}, Sk={self.seqlen_k}, "
+            f"segments={self.num_segments}, total_q={self.total_q}, total_k={self.total_k}, "
+            f"max_seqlen_q={self.max_seqlen_q}, max_seqlen_k={self.max_seqlen_k})"
+        )
+
+
+def _host(t: torch.Tensor) -> list[int]:
+    """The plan layer's single device-to-host transfer; counted so tests can prove it."""
+    _stats.record_host_sync()
+    return t.tolist()
+
+
+def _cu(lengths: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _order(bins: torch.Tensor, total: int) -> torch.Tensor:
+    """Positions sorted by segment bin (stable: in order within a segment), valid ones only."""
+    return torch.sort(bins, stable=True).indices[:total]
+
+
+def build_plan(
+    attn_mask: torch.Tensor | None,
+    *,
+    batch_size: int | None = None,
+    seqlen_q: int | None = None,
+    seqlen_k: int | None = None,
+    num_heads: int | None = None,
+    convention: str = "model",
+    strict: bool = False,
+    device: torch.device | str | None = None,
+) -> VarlenPlan:
+    """Turn a mask into a :class:`VarlenPlan`, with at most one device-to-host sync.
+
+    Args:
+        attn_mask: bool (True = keep) or additive float mask, in one of the layouts of
+            :func:`varlen_attn.masks.canonical_mask`; ``[B, S]`` is a key-padding mask (valid
+            keys may sit anywhere in the row). None means every token is valid (give
+            ``batch_size``, ``seqlen_q`` and ``device``).
+        batch_size, seqlen_q, seqlen_k: the attention shape; inferred from the mask where it
+            has those dims (``seqlen_q`` defaults to ``seqlen_k``: self-attention).
+        num_heads: needed to read diffusers' ``[B*H, 1, Sk]`` layout, and to check a per-head mask.
+        convention: ``"model"`` (batch first, see above) or ``"torch"`` (SDPA's broadcasting).
+        strict: raise :class:`NotPackableError` instead of returning a non-packable plan.
+
+    Returns:
+        A frozen plan. Cached by mask object: calling again with the same unmodified mask
+        tensor and shape returns the same plan without any work.
+
+    Raises:
+        InputValueError: NaN or +inf in the mask, or a shape that does not fit.
+        NotPackableError: with ``strict=True``, when the mask is not a padding pattern.
+    """
+    if attn_mask is None:
+        if batch_size is None or seqlen_q is None:
+            raise InputValueError("build_plan(None) needs batch_size and seqlen_q, got None")
+        return full_plan(batch_size, seqlen_q, seqlen_k if seqlen_k is not None else seqlen_q,
+                         torch.device(device or "cpu"))
+    if not isinstance(attn_mask, torch.Tensor):
+        raise InputTypeError(f"attn_mask must be a torch.Tensor or None, got {describe(attn_mask)}")
+    if seqlen_k is None:
+        seqlen_k = attn_mask.shape[-1]
+    if batch_size is None:
+        batch_size = _infer_batch(attn_mask, convention, num_heads)
+    if seqlen_q is None:
+        seqlen_q = attn_mask.shape[-2] if attn_mask.dim() >= 3 and attn_mask.shape[-2] > 1 else seqlen_k
+    key = (batch_size, seqlen_q, seqlen_k, num_heads, convention)
+    plan = _CACHE.get(attn_mask, key)
+    if plan is None:
+        plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention)
+        _CACHE.put(attn_mask, key, plan)
+    if strict and not plan.packable:
+        raise NotPackableError(plan.reason)
+    return plan
+
+
+def plan_from_seqlens(
+    seqlens_q: list[int] | tuple[int, ...],
+    seqlens_k: list[int] | tuple[int, ...] | None = None,
+    *,
+    seqlen_q: int | None = None,
+    seqlen_k: int | None = None,
+    device: torch.device | str = "cpu",
+) -> VarlenPlan:
+    """Plan for right-padded batches from host lengths: sample ``b`` keeps its first ``seqlens[b]``
+    tokens. Builds everything from host data: no sync at all (xformers' ``from_seqlens`` idea)."""
+    seqlens_k = list(seqlens_q if seqlens_k is None else seqlens_k)
+    seqlens_q = list(seqlens_q)
+    if len(seqlens_q) != len(seqlens_k):
+        raise InputValueError(
+            f"seqlens_q and seqlens_k must have the same length (one per batch element), "
+            f"got {len(seqlens_q)} and {len(seqlens_k)}"
+        )
+    for name, lens in (("seqlens_q", seqlens_q), ("seqlens_k", seqlens_k)):
+        if any((not isinstance(n, int)) or n < 0 for n in lens):
+            raise InputValueError(f"{name} must be non-negative ints, got {lens}")
+    sq = seqlen_q if seqlen_q is not None else max(seqlens_q, default=0)
+    sk = seqlen_k if seqlen_k is not None else max(seqlens_k, default=0)
+    if any(n > sq for n in seqlens_q) or any(n > sk for n in seqlens_k):
+        raise InputValueError(
+            f"a length exceeds the padded length: seqlens_q={seqlens_q} (Sq={sq}), "
+            f"seqlens_k={seqlens_k} (Sk={sk})"
+        )
+    device = torch.device(device)
+    # Caption dropout leaves samples with no key: their queries attend nothing (zero rows).
+    keep = [(b, lq, lk) for b, (lq, lk) in enumerate(zip(seqlens_q, seqlens_k)) if lq > 0 and lk > 0]
+    idx_q = [b * sq + i for b, lq, _ in keep for i in range(lq)]
+    idx_k = [b * sk + j for b, _, lk in keep for j in range(lk)]
+    lq = tuple(x[1] for x in keep)
+    lk = tuple(x[2] for x in keep)
+    return _make_plan(len(seqlens_q), sq, sk, device, lq, lk, tuple(x[0] for x in keep),
+                      _to_device(idx_q, torch.int64, device), _to_device(idx_k, torch.int64, device))
+
+
+def _infer_batch(mask: torch.Tensor, convention: str, num_heads: int | None) -> int:
+    if convention == "torch" or mask.dim() == 1:
+        return mask.shape[0] if mask.dim() == 4 else 1
+    if mask.dim() == 3 and num_heads and num_heads > 1 and mask.shape[0] % num_heads == 0:
+        raise InputValueError(
+            f"attn_mask of shape {tuple(mask.shape)} with num_heads={num_heads} is ambiguous "
+            f"([B, Sq, Sk] or [B*H, Sq, Sk]): pass batch_size"
+        )
+    return mask.shape[0]
+
+
+_FULL_PLANS: dict[tuple, VarlenPlan] = {}
+
+
+def full_plan(batch: int, sq: int, sk: int, device: torch.device) -> VarlenPlan:
+    """Plan with every token valid, cached by shape and device (built from host data, no sync)."""
+    key = (batch, sq, sk, str(device))
+    plan = _FULL_PLANS.get(key)
+    if plan is None:
+        if len(_FULL_PLANS) >= 64:
+            _FULL_PLANS.clear()
+        plan = _FULL_PLANS[key] = plan_from_seqlens(
+            [sq] * batch, [sk] * batch, seqlen_q=sq, seqlen_k=sk, device=device)
+    return plan
+
+
+def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Host list -> device tensor without a blocking copy (pinned staging on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _make_plan(batch, sq, sk, device, lens_q, lens_k, seg_batch, idx_q, idx_k,
+               cu_q=None, cu_k=None, aligned=None) -> VarlenPlan:
+    total_q, total_k = sum(lens_q), sum(lens_k)
+    if cu_q is None:
+        cu_q = _cu(_to_device(list(lens_q), torch.int32, device))
+        cu_k = _cu(_to_device(list(lens_k), torch.int32, device))
+    one_per_batch = list(seg_batch) == list(range(batch))
+    return VarlenPlan(
+        batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=True, device=device,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+        indices_q=idx_q, indices_k=idx_k,
+        seqlens_q=tuple(lens_q), seqlens_k=tuple(lens_k), segment_batch=tuple(seg_batch),
+        max_seqlen_q=max(lens_q, default=0), max_seqlen_k=max(lens_k, default=0),
+        total_q=total_q, total_k=total_k,
+        q_identity=one_per_batch and total_q == batch * sq,
+        k_identity=one_per_batch and total_k == batch * sk,
+        self_aligned=(sq == sk and lens_q == lens_k) if aligned is None else aligned,
+    )
+
+
+def _build(mask, batch, sq, sk, num_heads, convention) -> VarlenPlan:
+    _stats.record_plan_build()
+    m4 = canonical_mask(mask, batch_size=batch, num_heads=num_heads, seqlen_q=sq, seqlen_k=sk,
+                        convention=convention)
+    a = analyze(m4, batch_size=batch, seqlen_q=sq)
+    device = mask.device
+    nbins = batch * sk
+    # Segment bin = b * Sk + segment id; invalid positions go to the past-the-end bin.
+    base_q = torch.arange(batch, device=device)[:, None] * sk
+    bins_q = torch.where(a.seg_q >= 0, a.seg_q + base_q, nbins).reshape(-1)
+    bins_k = torch.where(a.seg_k >= 0, a.seg_k + base_q, nbins).reshape(-1)
+    ones = torch.ones((), dtype=torch.int64, device=device)
+    cnt_q = torch.zeros(nbins + 1, dtype=torch.int64, device=device).index_add_(0, bins_q, ones.expand_as(bins_q))
+    cnt_k = torch.zeros(nbins + 1, dtype=torch.int64, device=device).index_add_(0, bins_k, ones.expand_as(bins_k))
+    aligned = (a.seg_q == a.seg_k).all() if sq == sk else torch.zeros((), dtype=torch.bool, device=device)
+    host = _host(torch.cat([a.flags, aligned.to(torch.int64)[None], cnt_q[:nbins], cnt_k[:nbins]]))
+
+    nflags = len(FLAG_NAMES) + 1
+    flags = dict(zip(FLAG_NAMES + ("structure",), host[:nflags]))
+    if flags["nan"] or flags["posinf"]:
+        what = "NaN" if flags["nan"] else "+inf"
+        raise InputValueError(
+            f"attn_mask must not contain {what} (SDPA would return NaN), got a "
+            f"{mask.dtype} mask of shape {tuple(mask.shape)} containing {what}"
+        )
+    for name in ("bias", "per_head", "structure"):
+        if flags[name]:
+            return VarlenPlan(batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=False,
+                              reason=_REASONS[name], device=device)
+    aligned = bool(host[nflags])
+    hq, hk = host[nflags + 1:nflags + 1 + nbins], host[nflags + 1 + nbins:]
+    segs = [i for i in range(nbins) if hk[i]]
+    lens_q = tuple(hq[i] for i in segs)
+    lens_k = tuple(hk[i] for i in segs)
+    seg_batch = tuple(i // sk for i in segs)
+    idx_q = _order(bins_q, sum(lens_q))
+    idx_k = _order(bins_k, sum(lens_k))
+    # cu_seqlens from the device counts (non-empty bins first, in bin order): no host->device copy.
+    seg_bins = _order((cnt_k[:nbins] == 0).to(torch.uint8), len(segs))
+    cu_q = _cu(cnt_q[seg_bins].to(torch.int32))
+    cu_k = _cu(cnt_k[seg_bins].to(torch.int32))
+    return _make_plan(batch, sq, sk, device, lens_q, lens_k, seg_batch, idx_q, idx_k, cu_q, cu_k,
+                      aligned)
+
+
+class _PlanCache:
+    """Plans keyed by mask object identity, valid while the mask lives and is not modified.
+
+    A mask tensor cannot be a dict key (``==`` is elementwise), so entries are keyed by ``id``
+    and hold a weak reference that both confirms identity and evicts the entry on collection.
+    """
+
+    def __init__(self, capacity: int = 32):
+        self._entries: dict[int, tuple] = {}
+        self._lock = threading.Lock()
+        self._capacity = capacity
+
+    def get(self, mask: torch.Tensor, key: tuple) -> VarlenPlan | None:
+        with self._lock:
+            entry = self._entries.get(id(mask))
+        if entry is None:
+            return None
+        ref, version, entry_key, plan = entry
+        if ref() is not mask or version != mask._version or entry_key != key:
+            return None
+        return plan
+
+    def put(self, mask: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
+        ident = id(mask)
+
+        def evict(_ref, ident=ident):
+            with self._lock:
+                entry = self._entries.get(ident)
+                if entry is not None and entry[0] is _ref:
+                    del self._entries[ident]
+
+        with self._lock:
+            if len(self._entries) >= self._capacity:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[ident] = (weakref.ref(mask, evict), mask._version, key, plan)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_CACHE = _PlanCache()
