@@ -1,0 +1,193 @@
+"""Plan invariants, mask classification, caching, and the one-sync rule."""
+
+import threading
+
+import pytest
+import torch
+from hypothesis import given, note
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import varlen_attn as va
+from _testing import PACKABLE_KINDS, UNPACKABLE_KINDS, cases, effective_keep, is_segment_pattern
+
+ALL_KINDS = PACKABLE_KINDS + UNPACKABLE_KINDS
+
+
+def torch_plan(case):
+    b, hq, sq, _ = case.q.shape
+    return va.build_plan(case.mask, batch_size=b, seqlen_q=sq, seqlen_k=case.k.shape[2],
+                         num_heads=hq, convention="torch")
+
+
+@given(case=cases(kinds=ALL_KINDS))
+def test_classification_matches_bruteforce_oracle(case):
+    """packable <=> every head equal and query key-sets equal or disjoint (after shift invariance)."""
+    note(repr(case))
+    if case.mask is None:
+        return
+    plan = torch_plan(case)
+    keep = effective_keep(case)
+    if case.kind == "bias01":
+        # A 0/1 float mask is a bias unless every row is constant (then shift invariance).
+        rows_const = bool((case.mask == case.mask[..., :1]).all())
+        assert plan.packable == rows_const
+        return
+    assert plan.packable == is_segment_pattern(keep), plan.reason
+
+
+@given(case=cases(kinds=PACKABLE_KINDS))
+def test_plan_invariants(case):
+    """cu_seqlens are int32 prefix sums of the host lengths; indices are unique, in range, and
+    reproduce the mask: query i and key j share a segment iff the mask keeps (i, j)."""
+    note(repr(case))
+    if case.mask is None:
+        return
+    p = torch_plan(case)
+    assert p.packable
+    b, sq, sk = p.batch_size, p.seqlen_q, p.seqlen_k
+    for cu, lens, idx, total, mx, s in (
+        (p.cu_seqlens_q, p.seqlens_q, p.indices_q, p.total_q, p.max_seqlen_q, sq),
+        (p.cu_seqlens_k, p.seqlens_k, p.indices_k, p.total_k, p.max_seqlen_k, sk),
+    ):
+        assert cu.dtype == torch.int32 and idx.dtype == torch.int64
+        assert cu.tolist() == [0] + torch.tensor(lens).cumsum(0).tolist()
+        assert total == sum(lens) == idx.numel() and mx == max(lens, default=0)
+        assert all(n > 0 for n in lens)
+        assert idx.unique().numel() == idx.numel()
+        assert idx.numel() == 0 or (0 <= idx.min().item() and idx.max().item() < b * s)
+        # Within a segment tokens keep their order.
+        for lo, hi in zip(cu[:-1].tolist(), cu[1:].tolist()):
+            assert (idx[lo:hi].diff() > 0).all()
+    seg_q = torch.full((b * sq,), -1)
+    seg_k = torch.full((b * sk,), -1)
+    for s, (lo, hi, klo, khi) in enumerate(zip(p.cu_seqlens_q[:-1].tolist(), p.cu_seqlens_q[1:].tolist(),
+                                               p.cu_seqlens_k[:-1].tolist(), p.cu_seqlens_k[1:].tolist())):
+        seg_q[p.indices_q[lo:hi]] = s
+        seg_k[p.indices_k[klo:khi]] = s
+        assert (p.indices_q[lo:hi] // sq == p.segment_batch[s]).all()
+    rebuilt = (seg_q.view(b, sq, 1) == seg_k.view(b, 1, sk)) & (seg_q.view(b, sq, 1) >= 0)
+    assert torch.equal(rebuilt, effective_keep(case)[:, 0])
+
+
+def test_additive_rows_follow_shift_invariance():
+    # Row 0: keys 0,1 at 0 and key 2 at -10000 -> keys {0,1}; row 1: all -10000 -> all keys;
+    # row 2: all -inf -> no key (zeros); row 3: shifted by a constant 5 -> same as row 0.
+    m = torch.tensor([[0.0, 0.0, -1e4], [-1e4, -1e4, -1e4], [-float("inf")] * 3, [5.0, 5.0, -9995.0]])
+    p = va.build_plan(m[None, None], convention="torch")
+    assert not p.packable  # rows 0 and 1 overlap: different key sets sharing keys
+    p = va.build_plan(m[None, None, [0, 2, 3]], convention="torch")
+    assert p.packable and p.seqlens_q == (2,) and p.seqlens_k == (2,)
+    assert p.indices_q.tolist() == [0, 2]
+
+
+def test_float01_mask_is_a_bias():
+    m = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
+    p = va.build_plan(m)
+    assert not p.packable and "bias" in p.reason
+    with pytest.raises(va.NotPackableError, match="bias"):
+        va.build_plan(m, strict=True)
+
+
+def test_diffusers_prepared_mask_layout():
+    """[B*H, 1, Sk] from diffusers' prepare_attention_mask reads as [B, H, 1, Sk]."""
+    keep = torch.tensor([[True, True, False], [True, False, True]])
+    m = torch.zeros(2, 3).masked_fill(~keep, -10000.0).repeat_interleave(4, dim=0)[:, None]
+    p = va.build_plan(m, batch_size=2, num_heads=4, seqlen_q=5)
+    assert p.packable and p.seqlens_k == (2, 2) and p.indices_k.tolist() == [0, 1, 3, 5]
+    with pytest.raises(va.InputValueError, match="ambiguous"):
+        va.build_plan(m, num_heads=4)
+
+
+def test_plan_from_seqlens_matches_mask_plan():
+    lens = [3, 0, 5]
+    mask = torch.arange(6)[None] < torch.tensor(lens)[:, None]
+    a = va.plan_from_seqlens(lens, seqlen_q=6, seqlen_k=6)
+    b = va.build_plan(mask[:, None, :, None] & mask[:, None, None, :])
+    for f in ("seqlens_q", "seqlens_k", "segment_batch", "max_seqlen_q", "total_q"):
+        assert getattr(a, f) == getattr(b, f), f
+    assert torch.equal(a.indices_q, b.indices_q) and torch.equal(a.cu_seqlens_k, b.cu_seqlens_k)
+
+
+class CountSyncs(TorchDispatchMode):
+    """Counts ops that force a device-to-host sync on CUDA (``.item()``, ``nonzero``, ...)."""
+
+    SYNCING = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_dim",
+               "_unique2", "unique_consecutive", "bincount", "repeat_interleave"}
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in self.SYNCING:
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_plan_built_once_and_reused_without_sync():
+    torch.manual_seed(0)
+    b, h, s, d = 3, 2, 40, 16
+    keep = torch.ones(b, s, dtype=torch.bool)
+    keep[0, 5:12] = False  # a gap in the middle of the row (joint text+image)
+    keep[2, :] = False  # caption dropout: no valid key
+    mask = keep[:, None, None, :]
+    q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    va.reset_stats()
+    with CountSyncs() as first:
+        va.scaled_dot_product_attention(q, k, v, mask)
+    assert va.stats()["plan_builds"] == 1 and va.stats()["host_syncs"] == 1
+    assert first.ops == []  # the one sync is a bulk copy, not .item()/nonzero
+    with CountSyncs() as layers:
+        for _ in range(10):  # ten "layers" handed the same mask object
+            out = va.scaled_dot_product_attention(q, k, v, mask)
+        out.sum().backward()
+    assert layers.ops == []
+    assert va.stats()["plan_builds"] == 1 and va.stats()["host_syncs"] == 1
+    # A prebuilt plan skips even the cache lookup.
+    plan = va.build_plan(keep)
+    with CountSyncs() as with_plan:
+        va.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan=plan)
+    assert with_plan.ops == [] and va.stats()["plan_builds"] == 2
+
+
+def test_cache_sees_in_place_changes_and_new_objects():
+    keep = torch.ones(2, 8, dtype=torch.bool)
+    p1 = va.build_plan(keep)
+    assert va.build_plan(keep) is p1
+    keep[0, 3:] = False  # in place: version counter changes, plan must be rebuilt
+    p2 = va.build_plan(keep)
+    assert p2 is not p1 and p2.seqlens_k == (3, 8)
+    assert va.build_plan(keep.clone()) is not p2  # equal values, another object: rebuilt
+
+
+def test_cache_is_thread_safe():
+    masks = [torch.rand(2, 16) > 0.3 for _ in range(8)]
+    errors = []
+
+    def work(m):
+        try:
+            for _ in range(20):
+                p = va.build_plan(m)
+                assert p.seqlens_k == tuple(n for n in m.sum(-1).tolist() if n)
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(m,)) for m in masks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_explicit_env_backend(monkeypatch):
+    q = k = v = torch.randn(1, 1, 4, 8)
+    mask = torch.tensor([True, True, False, True])
+    monkeypatch.setenv("VARLEN_ATTN_BACKEND", "reference")
+    va.reset_stats()
+    va.scaled_dot_product_attention(q, k, v, mask)
+    assert va.stats()["backends"] == {"reference": 1}
+    monkeypatch.setenv("VARLEN_ATTN_BACKEND", "nonsense")
+    with pytest.raises(va.InputValueError, match="VARLEN_ATTN_BACKEND"):
+        va.scaled_dot_product_attention(q, k, v, mask)
