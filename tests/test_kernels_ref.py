@@ -173,14 +173,25 @@ def test_matches_sdpa_float64(case):
 
 
 # Tolerance for low precision: the reference must be at most 2x as far from
-# the float64 truth as torch's own SDPA run at the same precision. The floor
-# covers comparisons where SDPA happens to be (almost) exact, e.g. a row with a
-# single visible key whose output is v copied through, while the reference is
-# off by one final rounding elsewhere. It is one unit in the last place of the
-# storage dtype at the tensor's magnitude (eps * max|ref|), bounded below by
-# the absolute values 1e-6 (fp32) and 1e-3 (bf16/fp16): anything smaller would
-# demand bit-exact agreement in the final cast.
-_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+# the float64 truth as torch's own SDPA run at the same precision, plus a
+# floor. The 2x alone is too tight when SDPA happens to be (almost) exact,
+# e.g. a row with one visible key copies v through unchanged, and max-abs
+# errors at fp32 level are noisy (the ratio to SDPA has a median of ~0.8 but
+# an occasional tail above 5 at large head_dim). The floor is therefore what
+# an equally correct implementation may differ by, relative to the tensor's
+# magnitude |ref|:
+#   * one rounding of the result to the storage dtype: eps(dtype) ~ 1e-7 for
+#     fp32, ~1e-3 for fp16 and ~8e-3 for bf16 (the 1e-6 / 1e-3 orders of
+#     magnitude), and
+#   * reordered fp32 accumulation over dot products of length D:
+#     ~sqrt(D) * eps(fp32) for random rounding; 4x that for headroom.
+# A real bug (wrong mask, bf16 accumulation, wrong GQA head) is orders of
+# magnitude above this floor for fp32 and far above 2x SDPA for bf16/fp16.
+_EPS32 = torch.finfo(torch.float32).eps
+
+
+def low_precision_floor(dtype, head_dim, magnitude):
+    return magnitude * (torch.finfo(dtype).eps + 4 * _EPS32 * math.sqrt(head_dim))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -194,11 +205,11 @@ def test_low_precision_error_bounded_by_sdpa(dtype, case):
                              q.double(), k.double(), v.double(), dout.double())
     got = forward_backward(lambda q, k, v: run_kernel(case, q, k, v, slopes), q, k, v, dout)
     base = forward_backward(lambda q, k, v: sdpa_oracle(case, q, k, v, slopes), q, k, v, dout)
-    eps = torch.finfo(dtype).eps
+    head_dim = max(case["head_dim"], case["head_dim_v"])
     for name, g, b, t in zip(("out", "dq", "dk", "dv"), got, base, truth):
         assert g.dtype == dtype and g.shape == t.shape, name
-        scale = max(1.0, t.abs().max().item()) if t.numel() else 1.0
-        floor = max(_FLOOR[dtype], eps) * scale
+        magnitude = max(1.0, t.abs().max().item()) if t.numel() else 1.0
+        floor = low_precision_floor(dtype, head_dim, magnitude)
         err, err_sdpa = max_err(g, t), max_err(b, t)
         assert err <= 2 * err_sdpa + floor, (
             f"{name}: kernel err {err:.3g} > 2 * sdpa err {err_sdpa:.3g} + floor {floor:.3g}"

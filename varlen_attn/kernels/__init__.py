@@ -13,17 +13,37 @@ import torch
 
 from .._errors import BackendUnavailableError, InputValueError
 from ._base import Backend, VarlenInputs
+from .flash import FlashAttn2Backend, FlashAttn3Backend, FlashAttn4Backend
 from .reference import ReferenceBackend
 from .split_sdpa import SplitSdpaBackend
+from .torch_varlen import TorchVarlenBackend
 
-BACKENDS: dict[str, Backend] = {b.NAME: b for b in (ReferenceBackend(), SplitSdpaBackend())}
+BACKENDS: dict[str, Backend] = {
+    b.NAME: b
+    for b in (FlashAttn4Backend(), FlashAttn3Backend(), FlashAttn2Backend(), TorchVarlenBackend(),
+              SplitSdpaBackend(), ReferenceBackend())
+}
 
-# Per-device priority for backend="auto". On the CPU one dense SDPA call per segment beats
-# the reference kernel's explicit matmuls; the GPU list is refined by measurement (issue 3).
+# Priority for backend="auto", per device class.
+# Hopper and newer (sm90+): the Hopper-class kernels first (FA4, FA3); then one dense SDPA call
+# per segment, which beat FA2-class varlen kernels on an H200 (CONTEXT.md; measured again by
+# benchmarks/backends.py); FA2 and PyTorch's built-in FA2 varlen after it.
+# Ampere/Ada (sm80-89): FA2 varlen wins there (masked SDPA drops to the mem-efficient kernel;
+# public reports in CONTEXT.md); the built-in FA2 kernel needs no install.
+# CPU: one dense SDPA call per segment beats the reference kernel's explicit matmuls.
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("split_sdpa", "reference"),
-    "cuda": ("split_sdpa", "reference"),
+    "cuda_sm90": ("flash_attn_4", "flash_attn_3", "split_sdpa", "flash_attn", "torch", "reference"),
+    "cuda": ("flash_attn", "torch", "split_sdpa", "reference"),
 }
+
+
+def priority(device: torch.device) -> tuple[str, ...]:
+    """auto's order for ``device``."""
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return PRIORITY["cuda_sm90" if torch.cuda.get_device_capability(idx) >= (9, 0) else "cuda"]
+    return PRIORITY.get(device.type, tuple(BACKENDS))
 
 ENV_VAR = "VARLEN_ATTN_BACKEND"
 SDPA = "sdpa"  # masked SDPA on the padded tensors; the adapters run it, not a varlen backend
@@ -50,7 +70,7 @@ def select(inp: VarlenInputs, name: str) -> Backend:
             )
         return BACKENDS[name]
     why = {}
-    for candidate in PRIORITY.get(inp.q.device.type, tuple(BACKENDS)):
+    for candidate in priority(inp.q.device):
         reasons = BACKENDS[candidate].not_supported_reasons(inp)
         if not reasons:
             return BACKENDS[candidate]
@@ -61,9 +81,9 @@ def select(inp: VarlenInputs, name: str) -> Backend:
 
 def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Installed backends for a device type, in auto's priority order."""
-    dev = torch.device(device).type
-    order = PRIORITY.get(dev, tuple(BACKENDS))
-    return [n for n in order if BACKENDS[n].is_installed() and dev in BACKENDS[n].SUPPORTED_DEVICES]
+    device = torch.device(device)
+    return [n for n in priority(device)
+            if BACKENDS[n].is_installed() and device.type in BACKENDS[n].SUPPORTED_DEVICES]
 
 
-__all__ = ["BACKENDS", "PRIORITY", "Backend", "VarlenInputs", "available_backends", "select"]
+__all__ = ["BACKENDS", "PRIORITY", "Backend", "VarlenInputs", "available_backends", "priority", "select"]

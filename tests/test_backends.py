@@ -1,0 +1,204 @@
+"""Backend plumbing on the CPU: the FA2/FA3/FA4 and torch-builtin adapters are exercised by
+injecting kernels_ref under their module names; selection and diagnostics."""
+
+import inspect
+import logging
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, note, settings
+from hypothesis import strategies as st
+
+import kernels_ref
+import varlen_attn as va
+from _testing import assert_matches, cases, run_with_grads, sdpa_fn
+from varlen_attn import kernels
+from varlen_attn.kernels import torch_varlen
+
+ALL = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+
+
+class Recorder:
+    """A flash_attn_varlen_func that checks what flash-attn would check, then runs kernels_ref."""
+
+    def __init__(self, returns_lse: bool):
+        self.returns_lse = returns_lse
+        self.calls = []
+
+    def __call__(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kw):
+        assert cu_seqlens_q.dtype == cu_seqlens_k.dtype == torch.int32
+        assert type(max_seqlen_q) is int and type(max_seqlen_k) is int
+        assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
+        self.calls.append(kw)
+        out = kernels_ref.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                 max_seqlen_k, **kw)
+        return (out, None) if self.returns_lse else out
+
+
+@pytest.fixture
+def fake_flash(monkeypatch):
+    """flash_attn (FA2), flash_attn_interface (FA3) and flash_attn.cute (FA4) backed by kernels_ref,
+    with the backends' device/dtype declarations widened to the CPU and float64."""
+    recs = {"flash_attn": Recorder(False), "flash_attn_3": Recorder(True), "flash_attn_4": Recorder(True)}
+    fa2 = types.ModuleType("flash_attn")
+    fa2.flash_attn_varlen_func = recs["flash_attn"]
+    fa2.__path__ = []
+    fa3 = types.ModuleType("flash_attn_interface")
+    fa3.flash_attn_varlen_func = recs["flash_attn_3"]
+    cute = types.ModuleType("flash_attn.cute")
+    cute.flash_attn_varlen_func = recs["flash_attn_4"]
+    for name, mod in (("flash_attn", fa2), ("flash_attn_interface", fa3), ("flash_attn.cute", cute)):
+        mod.__spec__ = importlib_spec(name)
+        monkeypatch.setitem(sys.modules, name, mod)
+    for name in recs:
+        b = kernels.BACKENDS[name]
+        monkeypatch.setattr(b, "SUPPORTED_DEVICES", frozenset({"cpu"}))
+        monkeypatch.setattr(b, "SUPPORTED_DTYPES", ALL)
+        monkeypatch.setattr(b, "is_installed", lambda: True)
+    return recs
+
+
+def importlib_spec(name):
+    import importlib.machinery
+
+    return importlib.machinery.ModuleSpec(name, None)
+
+
+@settings(suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(case=cases(kinds=("key_padding", "joint_text_first", "outer", "cross", "segments", "none"),
+                  reps=("bool", "neg_inf"), head_dims=(8, 16, 64)),
+       name=st.sampled_from(["flash_attn", "flash_attn_3", "flash_attn_4"]))
+def test_flash_adapters_equal_sdpa(fake_flash, case, name):
+    note(repr(case))
+    if case.v.shape[-1] != case.q.shape[-1]:
+        case.v = case.v[..., : case.q.shape[-1]].contiguous() if case.v.shape[-1] > case.q.shape[-1] else \
+            torch.cat([case.v] * (case.q.shape[-1] // case.v.shape[-1]), -1)
+    ref = run_with_grads(sdpa_fn(case, torch.float64), case, torch.float64)
+    before = len(fake_flash[name].calls)
+    got = run_with_grads(lambda q, k, v: va.scaled_dot_product_attention(
+        q, k, v, case.mask, enable_gqa=case.gqa, backend=name, strict=True), case, torch.float64)
+    assert_matches(got, ref, ref, torch.float64)
+    calls = fake_flash[name].calls[before:]
+    # No call at all only when every query is masked (nothing for a kernel to do).
+    assert calls or (case.mask is not None and not case.keep.any())
+    assert all(c["softmax_scale"] == case.q.shape[-1] ** -0.5 for c in calls)
+
+
+def test_flash_adapters_pass_causal_and_dropout(fake_flash):
+    q = k = v = torch.randn(1, 2, 5, 8, dtype=torch.float64)
+    va.scaled_dot_product_attention(q, k, v, is_causal=True, backend="flash_attn_3")
+    assert fake_flash["flash_attn_3"].calls[-1]["causal"] is True
+    torch.manual_seed(0)
+    va.scaled_dot_product_attention(q, k, v, dropout_p=0.25, backend="flash_attn")
+    assert fake_flash["flash_attn"].calls[-1]["dropout_p"] == 0.25
+    for name in ("flash_attn_3", "flash_attn_4"):  # no dropout: refuse, never ignore it
+        with pytest.raises(va.BackendUnavailableError, match="dropout not supported"):
+            va.scaled_dot_product_attention(q, k, v, dropout_p=0.25, backend=name)
+
+
+def test_fa4_refuses_head_dims_it_cannot_run(fake_flash):
+    q = k = v = torch.randn(1, 1, 4, 12, dtype=torch.float64)
+    with pytest.raises(va.BackendUnavailableError, match="not a multiple of 8"):
+        va.scaled_dot_product_attention(q, k, v, backend="flash_attn_4")
+
+
+def _fake_varlen(signature: str):
+    """torch.nn.attention.varlen.varlen_attn as shipped in torch 2.11 or 2.13, over kernels_ref."""
+    seen = {}
+
+    def v211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None,
+             scale=None):
+        seen.update(is_causal=is_causal)
+        return kernels_ref.flash_attn_varlen_func(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                                                  softmax_scale=scale, causal=is_causal)
+
+    def v213(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+             window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+        seen.update(window_size=window_size, enable_gqa=enable_gqa)
+        assert query.shape[1] == key.shape[1] or enable_gqa
+        causal = window_size == (-1, 0)
+        return kernels_ref.flash_attn_varlen_func(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
+                                                  softmax_scale=scale, causal=causal)
+
+    fn = v211 if signature == "2.11" else v213
+    return fn, frozenset(inspect.signature(fn).parameters), seen
+
+
+@pytest.mark.parametrize("signature", ["2.11", "2.13"])
+def test_torch_builtin_adapter_both_signatures(monkeypatch, signature):
+    fn, params, seen = _fake_varlen(signature)
+    monkeypatch.setattr(torch_varlen, "_api", lambda: (fn, params))
+    b = kernels.BACKENDS["torch"]
+    monkeypatch.setattr(b, "SUPPORTED_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(b, "SUPPORTED_DTYPES", ALL)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 6, 8, dtype=torch.float64, generator=g)
+    k = torch.randn(2, 2, 6, 8, dtype=torch.float64, generator=g)
+    v = torch.randn(2, 2, 6, 8, dtype=torch.float64, generator=g)
+    keep = torch.tensor([[1, 1, 0, 1, 1, 1], [1, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    m = keep[:, None, :, None] & keep[:, None, None, :]
+    for causal in (False, True):
+        mask = m & torch.ones(6, 6, dtype=torch.bool).tril() if causal else m
+        ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        if signature == "2.11":  # no GQA in 2.11's API: the backend must say so, not crash
+            with pytest.raises(va.BackendUnavailableError, match="grouped-query"):
+                va.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), m,
+                              is_causal=causal, enable_gqa=True, backend="torch")
+            kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+            out = va.attention(q.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2), m,
+                               is_causal=causal, backend="torch").transpose(1, 2)
+            assert seen["is_causal"] is causal
+        else:
+            out = va.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), m,
+                               is_causal=causal, enable_gqa=True, backend="torch").transpose(1, 2)
+            assert seen["window_size"] == ((-1, 0) if causal else (-1, -1)) and seen["enable_gqa"]
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+def test_explicit_uninstalled_backend_lists_reasons():
+    q = k = v = torch.randn(1, 1, 4, 8)
+    for name in ("flash_attn", "flash_attn_3", "flash_attn_4", "torch"):
+        with pytest.raises(va.BackendUnavailableError, match=rf"backend '{name}' cannot run q \(4, 1, 8\)") as e:
+            va.scaled_dot_product_attention(q, k, v, torch.ones(4, dtype=torch.bool), backend=name)
+        assert "device cpu not in ['cuda']" in str(e.value)
+
+
+def test_auto_priorities():
+    assert kernels.priority(torch.device("cpu"))[0] == "split_sdpa"
+    hopper = kernels.PRIORITY["cuda_sm90"]
+    assert hopper.index("flash_attn_4") < hopper.index("split_sdpa") < hopper.index("torch")
+    assert kernels.PRIORITY["cuda"][0] == "flash_attn"
+    assert set(hopper) == set(kernels.BACKENDS)
+    q = k = v = torch.randn(1, 1, 4, 8)
+    va.reset_stats()
+    va.scaled_dot_product_attention(q, k, v, torch.tensor([True, False, True, True]))
+    assert va.stats()["backends"] == {"split_sdpa": 1}
+
+
+def test_float32_routes_to_a_backend_that_supports_it():
+    reasons = kernels.BACKENDS["flash_attn"].not_supported_reasons(kernels.VarlenInputs(
+        torch.randn(3, 1, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8), va.plan_from_seqlens([3]), 1.0))
+    assert any("dtype torch.float32" in r for r in reasons)
+
+
+def test_import_never_imports_flash_attn():
+    code = "import sys, varlen_attn; assert not [m for m in sys.modules if m.startswith(('flash_attn', 'kernels_ref'))], sys.modules.keys()"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_one_warning_per_distinct_fallback_reason(caplog):
+    va.reset_stats()
+    q = k = v = torch.randn(1, 1, 4, 8)
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()
+    bias = torch.tensor([0.0, 1.0, 0.0, 1.0])
+    with caplog.at_level(logging.WARNING, logger="varlen_attn"):
+        for _ in range(5):
+            va.scaled_dot_product_attention(q, k, v, causal)
+            va.scaled_dot_product_attention(q, k, v, bias)
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 2
+    assert sorted(va.stats()["fallbacks"].values()) == [5, 5]
+    assert va.stats()["backends"] == {"sdpa": 10}

@@ -1,0 +1,84 @@
+"""flash-attention varlen kernels: FA2 (``flash_attn``), FA3 (``flash_attn_interface``) and
+FA4 (``flash-attn-4``, imported as ``flash_attn.cute``). Each module is imported at the first
+call, never at ``import varlen_attn``: none is a required dependency.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ._base import Backend, VarlenInputs
+
+_HALF = frozenset({torch.float16, torch.bfloat16})
+
+
+class _FlashBackend(Backend):
+    MODULE = ""
+    SUPPORTED_DEVICES = frozenset({"cuda"})
+    SUPPORTED_DTYPES = _HALF
+    MAX_HEAD_DIM = 256
+    SUPPORTS_DIFFERENT_V_DIM = False
+    REQUIRES_CONTIGUOUS_LAST_DIM = True
+
+    def _fn(self):
+        return importlib.import_module(self.MODULE).flash_attn_varlen_func
+
+    def _call(self, inp: VarlenInputs, **extra):
+        p = inp.plan
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inp.q, inp.k, inp.v))
+        out = self._fn()(
+            q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
+            softmax_scale=inp.scale, causal=inp.causal, **extra,
+        )
+        # FA3 before 3.0 stable and FA4 return (out, lse).
+        return out[0] if isinstance(out, tuple) else out
+
+
+class FlashAttn2Backend(_FlashBackend):
+    NAME = "flash_attn"
+    MODULE = "flash_attn"
+    REQUIRES = ("flash_attn",)
+    MIN_COMPUTE_CAPABILITY = (8, 0)
+
+    def forward(self, inp: VarlenInputs) -> torch.Tensor:
+        return self._call(inp, dropout_p=inp.dropout_p)
+
+
+class FlashAttn3Backend(_FlashBackend):
+    NAME = "flash_attn_3"
+    MODULE = "flash_attn_interface"
+    REQUIRES = ("flash_attn_interface",)
+    MIN_COMPUTE_CAPABILITY = (9, 0)
+    SUPPORTS_DROPOUT = False
+
+    def forward(self, inp: VarlenInputs) -> torch.Tensor:
+        return self._call(inp)
+
+
+class FlashAttn4Backend(_FlashBackend):
+    NAME = "flash_attn_4"
+    MODULE = "flash_attn.cute"
+    REQUIRES = ("flash_attn.cute",)
+    MIN_COMPUTE_CAPABILITY = (9, 0)
+    SUPPORTS_DROPOUT = False
+    HEAD_DIM_MULTIPLE = 8
+
+    def is_installed(self) -> bool:
+        try:  # find_spec on a submodule imports its parent; a broken parent means absent
+            return importlib.util.find_spec(self.MODULE) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inp)
+        if inp.q.shape[-1] % self.HEAD_DIM_MULTIPLE:
+            reasons.append(f"head dim {inp.q.shape[-1]} not a multiple of {self.HEAD_DIM_MULTIPLE}")
+        # FA4 betas mishandled zero-length sequences; plans never hold one, but guard anyway.
+        if 0 in inp.plan.seqlens_q or 0 in inp.plan.seqlens_k:
+            reasons.append("zero-length segment in the plan")
+        return reasons
+
+    def forward(self, inp: VarlenInputs) -> torch.Tensor:
+        return self._call(inp)
