@@ -126,17 +126,18 @@ def cases(draw, dtype=torch.float64, kinds=PACKABLE_KINDS, reps=REPS, max_s=24, 
     return Case(kind, rep, q, k, v, mask, model_mask, None if keep is None else keep.expand(b, hq, sq, sk), gqa, seed)
 
 
-def run_with_grads(fn, case: Case, dtype: torch.dtype):
-    """Output and grads of q, k, v for ``fn(q, k, v)`` at ``dtype``, under a random loss."""
-    q, k, v = (t.detach().to(dtype).requires_grad_() for t in (case.q, case.k, case.v))
+def run_with_grads(fn, case: Case, dtype: torch.dtype, device="cpu"):
+    """Output and grads of q, k, v for ``fn(q, k, v)`` at ``dtype``, under a random loss;
+    returned on the CPU."""
+    q, k, v = (t.detach().to(device, dtype).requires_grad_() for t in (case.q, case.k, case.v))
     out = fn(q, k, v)
     g = torch.Generator().manual_seed(case.seed + 1)
-    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+    w = torch.randn(out.shape, generator=g, dtype=torch.float64).to(device, dtype)
     (out * w).sum().backward()
-    return [out.detach(), q.grad, k.grad, v.grad]
+    return [t.cpu() for t in (out.detach(), q.grad, k.grad, v.grad)]
 
 
-def sdpa_fn(case: Case, mask_dtype: torch.dtype, exact: bool = False):
+def sdpa_fn(case: Case, mask_dtype: torch.dtype, exact: bool = False, device="cpu"):
     """SDPA with the case's mask; ``exact=True`` uses the mask's meaning as a bool mask instead,
     which avoids SDPA's rounding of ``score - 10000`` in rows where every key is masked."""
     mask = case.mask
@@ -144,6 +145,8 @@ def sdpa_fn(case: Case, mask_dtype: torch.dtype, exact: bool = False):
         mask = effective_keep(case)
     elif mask is not None and mask.is_floating_point():
         mask = mask.to(mask_dtype)
+    if mask is not None:
+        mask = mask.to(device)
 
     def fn(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=case.gqa)
