@@ -4,6 +4,8 @@ fp16, against a float64 reference with data-derived tolerances; no host sync per
 Run on a CUDA machine with ``python -m pytest -m gpu``; skipped (with the reason) elsewhere.
 """
 
+import warnings
+
 import pytest
 import torch
 from hypothesis import given, note, settings
@@ -91,6 +93,16 @@ def test_no_host_sync_per_layer_on_cuda(backend):
 def test_plan_build_syncs_once_on_cuda():
     dev = torch.device("cuda")
     keep = torch.rand(3, 200, device=dev) > 0.3
+    mask = keep[:, None, :, None] & keep[:, None, None, :]
+    torch.cuda.synchronize()
     va.reset_stats()
-    va.build_plan(keep[:, None, :, None] & keep[:, None, None, :])
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            va.build_plan(mask)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in seen if "synchroniz" in str(w.message)]
+    assert len(syncs) <= 1, [str(w.message) for w in syncs]
     assert va.stats()["host_syncs"] == 1
