@@ -43,14 +43,16 @@ def fake_flash(monkeypatch):
     """flash_attn (FA2), flash_attn_interface (FA3) and flash_attn.cute (FA4) backed by kernels_ref,
     with the backends' device/dtype declarations widened to the CPU and float64."""
     recs = {"flash_attn": Recorder(False), "flash_attn_3": Recorder(True), "flash_attn_4": Recorder(True)}
-    fa2 = types.ModuleType("flash_attn")
+    fa2 = types.ModuleType("flash_attn.flash_attn_interface")
     fa2.flash_attn_varlen_func = recs["flash_attn"]
-    fa2.__path__ = []
+    parent = types.ModuleType("flash_attn")
+    parent.__path__ = []
     fa3 = types.ModuleType("flash_attn_interface")
     fa3.flash_attn_varlen_func = recs["flash_attn_3"]
     cute = types.ModuleType("flash_attn.cute")
     cute.flash_attn_varlen_func = recs["flash_attn_4"]
-    for name, mod in (("flash_attn", fa2), ("flash_attn_interface", fa3), ("flash_attn.cute", cute)):
+    for name, mod in (("flash_attn", parent), ("flash_attn.flash_attn_interface", fa2),
+                      ("flash_attn_interface", fa3), ("flash_attn.cute", cute)):
         mod.__spec__ = importlib_spec(name)
         monkeypatch.setitem(sys.modules, name, mod)
     for name in recs:

@@ -6,6 +6,7 @@ call, never at ``import varlen_attn``: none is a required dependency.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 
 import torch
 
@@ -25,11 +26,19 @@ class _FlashBackend(Backend):
     def _fn(self):
         return importlib.import_module(self.MODULE).flash_attn_varlen_func
 
+    def is_installed(self) -> bool:
+        try:  # find_spec on a submodule imports its parent; a broken parent means absent
+            return importlib.util.find_spec(self.MODULE) is not None
+        except (ImportError, ValueError):
+            return False
+
     def _call(self, inp: VarlenInputs, **extra):
         p = inp.plan
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inp.q, inp.k, inp.v))
+        # Keywords: FA3/FA4 put seqused_q/k between cu_seqlens and max_seqlen positionally.
         out = self._fn()(
-            q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
+            q, k, v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+            max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
             softmax_scale=inp.scale, causal=inp.causal, **extra,
         )
         # FA3 before 3.0 stable and FA4 return (out, lse).
@@ -38,8 +47,9 @@ class _FlashBackend(Backend):
 
 class FlashAttn2Backend(_FlashBackend):
     NAME = "flash_attn"
-    MODULE = "flash_attn"
-    REQUIRES = ("flash_attn",)
+    # Not plain "flash_attn": flash-attn-4 installs that package name too, without FA2's kernels.
+    MODULE = "flash_attn.flash_attn_interface"
+    REQUIRES = (MODULE,)
     MIN_COMPUTE_CAPABILITY = (8, 0)
 
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
@@ -64,12 +74,6 @@ class FlashAttn4Backend(_FlashBackend):
     MIN_COMPUTE_CAPABILITY = (9, 0)
     SUPPORTS_DROPOUT = False
     HEAD_DIM_MULTIPLE = 8
-
-    def is_installed(self) -> bool:
-        try:  # find_spec on a submodule imports its parent; a broken parent means absent
-            return importlib.util.find_spec(self.MODULE) is not None
-        except (ImportError, ValueError):
-            return False
 
     def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
         reasons = super().not_supported_reasons(inp)
