@@ -7,6 +7,8 @@ so shrinking works on structure and the values stay random.
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
 
 import torch
@@ -160,7 +162,13 @@ def max_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a.double() - ref.double()).abs().max().item()
 
 
-FLOOR_ULPS = 32
+# Floor, in ulps of the result's scale, for where SDPA's own error is zero by luck (exact zero
+# rows, tiny inputs). From data: over a HYPOTHESIS_PROFILE=thorough run (~100k comparisons) the
+# worst excess over 2x SDPA's error was 63 ulps in float64 (long reductions: D=256 with GQA),
+# 4.4 in float32, 0.22 in bf16/fp16; the floors are about twice that.
+FLOOR_ULPS = {torch.float64: 128, torch.float32: 16, torch.bfloat16: 2, torch.float16: 2}
+# Set VARLEN_TEST_ERRLOG=path to record every comparison (for the worst-error summary).
+ERRLOG = os.environ.get("VARLEN_TEST_ERRLOG")
 
 
 def effective_keep(case: Case) -> torch.Tensor | None:
@@ -198,6 +206,10 @@ def assert_matches(got, ref64, baseline, dtype, names=("out", "dq", "dk", "dv"))
         assert not torch.isnan(a).any(), f"{name}: NaN"
         assert a.shape == r.shape, f"{name}: shape {tuple(a.shape)} != {tuple(r.shape)}"
         scale = r.abs().max().item() if r.numel() else 0.0
-        tol = 2.0 * max_err(bl, r) + FLOOR_ULPS * eps * max(scale, 1.0)
+        tol = 2.0 * max_err(bl, r) + FLOOR_ULPS[dtype] * eps * max(scale, 1.0)
         err = max_err(a, r)
+        if ERRLOG:
+            with open(ERRLOG, "a") as fh:
+                fh.write(json.dumps({"dtype": str(dtype), "name": name, "err": err,
+                                     "baseline": max_err(bl, r), "scale": scale}) + "\n")
         assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e} (dtype {dtype})"
