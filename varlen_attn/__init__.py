@@ -14,6 +14,7 @@ from ._errors import (
 )
 from ._stats import reset_stats, stats
 from .functional import attention, scaled_dot_product_attention
+from .integration import VarlenAttnProcessor, disable_varlen, enable_varlen, varlen
 from .kernels import available_backends
 from .pack import pack, unpack
 from .padding import pad_input, unpad_input
@@ -27,10 +28,13 @@ __all__ = [
     "InputValueError",
     "NotPackableError",
     "VarlenAttnError",
+    "VarlenAttnProcessor",
     "VarlenPlan",
     "attention",
     "available_backends",
     "build_plan",
+    "disable_varlen",
+    "enable_varlen",
     "pack",
     "pad_input",
     "plan_from_seqlens",
@@ -39,4 +43,5 @@ __all__ = [
     "stats",
     "unpack",
     "unpad_input",
+    "varlen",
 ]

@@ -142,6 +142,7 @@ def scaled_dot_product_attention(
     *,
     backend: str | None = None,
     strict: bool = False,
+    plan: VarlenPlan | None = None,
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` that packs valid tokens.
 
@@ -153,6 +154,7 @@ def scaled_dot_product_attention(
         backend: ``"auto"`` (default; or ``$VARLEN_ATTN_BACKEND``), ``"sdpa"``, or a varlen
             backend name; an explicit varlen backend runs or raises, never falls back.
         strict: raise :class:`NotPackableError` when the mask cannot be packed.
+        plan: the plan of ``attn_mask`` if the caller already has it (skips the cache lookup).
 
     Returns:
         ``[B, Hq, Sq, Dv]`` in ``query.dtype``. Query rows with no valid key are zeros; a row
@@ -180,8 +182,9 @@ def scaled_dot_product_attention(
             )
         plan, mask4 = full_plan(b, sq, sk, query.device), None
     else:
-        plan = build_plan(attn_mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=hq,
-                          convention="torch")
+        if plan is None:
+            plan = build_plan(attn_mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=hq,
+                              convention="torch")
         mask4 = canonical_mask(attn_mask, batch_size=b, num_heads=hq, seqlen_q=sq, seqlen_k=sk,
                                convention="torch")
     out = _attend(q, k, v, plan, mask4, dropout_p=dropout_p, causal=is_causal, scale=scale,

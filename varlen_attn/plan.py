@@ -120,6 +120,7 @@ def build_plan(
     convention: str = "model",
     strict: bool = False,
     device: torch.device | str | None = None,
+    checks: list[tuple[torch.Tensor, str]] | tuple = (),
 ) -> VarlenPlan:
     """Turn a mask into a :class:`VarlenPlan`, with at most one device-to-host sync.
 
@@ -133,6 +134,9 @@ def build_plan(
         num_heads: needed to read diffusers' ``[B*H, 1, Sk]`` layout, and to check a per-head mask.
         convention: ``"model"`` (batch first, see above) or ``"torch"`` (SDPA's broadcasting).
         strict: raise :class:`NotPackableError` instead of returning a non-packable plan.
+        checks: ``(device bool scalar, message)`` pairs read in the same host transfer; a true
+            flag raises ``InputValueError(message)``. Given checks bypass the cache (they must
+            be read).
 
     Returns:
         A frozen plan. Cached by mask object: calling again with the same unmodified mask
@@ -156,9 +160,9 @@ def build_plan(
     if seqlen_q is None:
         seqlen_q = attn_mask.shape[-2] if attn_mask.dim() >= 3 and attn_mask.shape[-2] > 1 else seqlen_k
     key = (batch_size, seqlen_q, seqlen_k, num_heads, convention)
-    plan = _CACHE.get(attn_mask, key)
+    plan = None if checks else _CACHE.get(attn_mask, key)
     if plan is None:
-        plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention)
+        plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, checks)
         _CACHE.put(attn_mask, key, plan)
     if strict and not plan.packable:
         raise NotPackableError(plan.reason)
@@ -257,7 +261,7 @@ def _make_plan(batch, sq, sk, device, lens_q, lens_k, seg_batch, idx_q, idx_k,
     )
 
 
-def _build(mask, batch, sq, sk, num_heads, convention) -> VarlenPlan:
+def _build(mask, batch, sq, sk, num_heads, convention, checks=()) -> VarlenPlan:
     _stats.record_plan_build()
     m4 = canonical_mask(mask, batch_size=batch, num_heads=num_heads, seqlen_q=sq, seqlen_k=sk,
                         convention=convention)
@@ -272,7 +276,12 @@ def _build(mask, batch, sq, sk, num_heads, convention) -> VarlenPlan:
     cnt_q = torch.zeros(nbins + 1, dtype=torch.int64, device=device).index_add_(0, bins_q, ones.expand_as(bins_q))
     cnt_k = torch.zeros(nbins + 1, dtype=torch.int64, device=device).index_add_(0, bins_k, ones.expand_as(bins_k))
     aligned = (a.seg_q == a.seg_k).all() if sq == sk else torch.zeros((), dtype=torch.bool, device=device)
-    host = _host(torch.cat([a.flags, aligned.to(torch.int64)[None], cnt_q[:nbins], cnt_k[:nbins]]))
+    extra = [c.to(device=device, dtype=torch.int64).reshape(1) for c, _ in checks]
+    host = _host(torch.cat([*extra, a.flags, aligned.to(torch.int64)[None], cnt_q[:nbins], cnt_k[:nbins]]))
+    for flag, (_, message) in zip(host, checks):
+        if flag:
+            raise InputValueError(message)
+    host = host[len(extra):]
 
     nflags = len(FLAG_NAMES) + 1
     flags = dict(zip(FLAG_NAMES + ("structure",), host[:nflags]))

@@ -1,0 +1,458 @@
+"""Model integration: ``enable_varlen(model)``, ``disable_varlen(model)``, ``VarlenAttnProcessor``.
+
+How it works. ``enable_varlen`` wraps the model's ``forward``. For the length of one forward it
+pushes a :class:`torch.overrides.TorchFunctionMode` (thread-local, so two models in two threads
+never meet) that does two things:
+
+1. It routes every ``F.scaled_dot_product_attention`` call inside the model to varlen_attn:
+   diffusers processors that go through ``dispatch_attention_fn`` (native backend), legacy
+   processors that call SDPA directly (Sana, PixArt), and direct calls (HunyuanVideo's token
+   refiner). No processor code is copied; the stock processors keep doing projections, norms
+   and rotary embeddings.
+2. It records how masks are *derived* from the model's mask inputs (every keyword argument whose
+   name contains ``mask``): ``m[:, None, None, :] * m[:, None, :, None]`` in Chroma's blocks,
+   ``torch.cat([text_mask, torch.ones(...)])`` in Qwen-Image's processor,
+   ``(1 - m) * -10000.0`` in Sana. Each derived tensor gets a structural key (the op and the keys
+   of its inputs). Two masks with the same key hold the same values, so every layer whose mask
+   has the same key shares one plan: the plan is built once per forward (one host sync), not
+   once per layer, even though the model re-derives a new mask tensor in every block.
+
+A mask whose derivation is unknown still works: it gets its own plan (cached by tensor object),
+which costs a sync. Results never depend on the tracking; only the number of plan builds does.
+
+Gradient checkpointing: the recomputation runs in backward, outside ``forward``; checkpointed
+blocks are wrapped so they re-enter the same forward context (same plans, no rebuild, same
+kernels, so the recomputed tensors match). diffusers' Chroma drops ``attention_mask`` from its
+checkpointed single-block calls; with ``restore_checkpoint_mask=True`` (default) the mask the
+model was called with is passed back in, so a masked model trains the same with and without
+checkpointing.
+
+Float masks (``float_mask``): Chroma's pipeline passes a float 0/1 ``attention_mask``, which SDPA
+reads as an additive bias (a known diffusers bug: padding then gets weight e^0 vs e^1, not 0).
+``"bool"`` (default) reads a float model mask input as boolean (1 = keep) with a one-time
+warning, and raises if it holds values other than 0 and 1 (checked inside the plan's single
+sync); ``"bias"`` keeps SDPA's additive reading (stock behaviour; such masks are not packable and
+go to SDPA); ``"error"`` refuses float mask inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import _stats
+from ._errors import InputTypeError, InputValueError, describe
+from .functional import scaled_dot_product_attention
+from .kernels import requested_backend
+from .plan import build_plan
+
+logger = logging.getLogger("varlen_attn")
+
+_FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.arange, torch.eye, torch.tensor,
+                        torch.ones_like, torch.zeros_like, torch.full_like})
+_LIKE = frozenset({torch.ones_like, torch.zeros_like, torch.full_like})
+# Functions whose output is not determined by their inputs: never keyed.
+_NONDETERMINISTIC = ("rand", "dropout", "bernoulli", "multinomial", "normal", "uniform", "exponential",
+                     "empty", "cauchy", "geometric", "log_normal", "random")
+_FLOAT_POLICIES = ("bool", "bias", "error")
+_local = threading.local()
+_warned: set[str] = set()
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+class ForwardContext:
+    """Per-forward state: derivation keys of mask tensors, and the plans built from them."""
+
+    def __init__(self, backend: str | None, strict: bool):
+        self.backend = backend
+        self.strict = strict
+        self.derived: dict[int, tuple] = {}
+        self.plans: dict[tuple, object] = {}
+        self.pending_checks: list[tuple[torch.Tensor, str]] = []
+        self.roots: dict[str, torch.Tensor] = {}
+
+    # -- derivation keys -------------------------------------------------------------------
+    def key_of(self, t: torch.Tensor):
+        entry = self.derived.get(id(t))
+        if entry is None or entry[0]() is not t or entry[2] != t._version:
+            return None
+        return entry[1]
+
+    def mark(self, t: torch.Tensor, key) -> None:
+        self.derived[id(t)] = (weakref.ref(t), key, t._version)
+
+    def _arg_key(self, a, like: bool):
+        if isinstance(a, torch.Tensor):
+            if like:  # *_like factories read only shape, dtype and device
+                return ("meta", tuple(a.shape), a.dtype, str(a.device))
+            k = self.key_of(a)
+            if k is None:
+                raise _Unkeyable
+            return ("T", k)
+        if isinstance(a, (list, tuple)):
+            return tuple(self._arg_key(x, like) for x in a)
+        if isinstance(a, slice):
+            return ("slice", a.start, a.stop, a.step)
+        if a is None or a is Ellipsis or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.Size)):
+            return a
+        raise _Unkeyable
+
+    def derive(self, func, args, kwargs):
+        """Key of ``func(*args, **kwargs)`` if every tensor input is keyed, else None."""
+        has_tensor = any(isinstance(a, torch.Tensor) for a in _flat(args, kwargs))
+        if not has_tensor and func not in _FACTORIES:
+            return None
+        name = getattr(func, "__name__", "")
+        if any(word in name for word in _NONDETERMINISTIC):
+            return None
+        try:
+            like = func in _LIKE
+            return (func, self._arg_key(tuple(args), like),
+                    tuple(sorted((k, self._arg_key(v, like)) for k, v in kwargs.items())))
+        except _Unkeyable:
+            return None
+
+    # -- attention -------------------------------------------------------------------------
+    def sdpa(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+             enable_gqa=False):
+        if attn_mask is None:
+            # Nothing to pack: the stock kernel is already the fast one.
+            _stats.record_backend("sdpa")
+            return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal,
+                                                  scale=scale, enable_gqa=enable_gqa)
+        plan = None
+        if isinstance(attn_mask, torch.Tensor) and query.dim() == 4:
+            b, h, sq, sk = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
+            k = self.key_of(attn_mask)
+            pkey = None if k is None else (k, b, h, sq, sk, str(query.device))
+            plan = self.plans.get(pkey) if pkey is not None else None
+            if plan is None:
+                plan = build_plan(attn_mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=h,
+                                  convention="torch", checks=self._take_checks())
+                if pkey is not None:
+                    self.plans[pkey] = plan
+        return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                            enable_gqa, backend=self.backend, strict=self.strict, plan=plan)
+
+    def _take_checks(self):
+        checks, self.pending_checks = self.pending_checks, []
+        return checks
+
+    def flush_checks(self) -> None:
+        """Checks no plan build has read yet (the forward had no masked attention): read them now."""
+        checks = self._take_checks()
+        if checks:
+            flags = _stats_host(torch.stack([c for c, _ in checks]))
+            for bad, (_, msg) in zip(flags, checks):
+                if bad:
+                    raise InputValueError(msg)
+
+    # -- activation ------------------------------------------------------------------------
+    def active(self):
+        return _Activation(self)
+
+
+def _stats_host(t: torch.Tensor) -> list:
+    _stats.record_host_sync()
+    return t.tolist()
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a, {})
+        else:
+            yield a
+
+
+class _VarlenMode(TorchFunctionMode):
+    def __init__(self, ctx: ForwardContext):
+        super().__init__()
+        self.ctx = ctx
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.ctx.sdpa(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and (out.dtype == torch.bool or not out.requires_grad):
+            key = self.ctx.derive(func, args, kwargs)
+            if key is not None:
+                self.ctx.mark(out, key)
+            elif out is (args[0] if args else None):
+                self.ctx.derived.pop(id(out), None)  # in place on a keyed tensor: forget it
+        return out
+
+
+class _Activation:
+    """Enter ``ctx`` on this thread unless it is already the innermost active context."""
+
+    def __init__(self, ctx: ForwardContext):
+        self.ctx = ctx
+        self.mode = None
+
+    def __enter__(self):
+        stack = _local.__dict__.setdefault("stack", [])
+        if not (stack and stack[-1] is self.ctx):
+            self.mode = _VarlenMode(self.ctx)
+            self.mode.__enter__()
+        stack.append(self.ctx)
+        return self.ctx
+
+    def __exit__(self, *exc):
+        _local.stack.pop()
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+        return False
+
+
+def current_context() -> ForwardContext | None:
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+# --------------------------------------------------------------------------------------------
+# enable_varlen / disable_varlen
+
+
+class _State:
+    def __init__(self, model, backend, strict, float_mask, restore_checkpoint_mask):
+        self.model_ref = weakref.ref(model)
+        self.backend = backend
+        self.strict = strict
+        self.float_mask = float_mask
+        self.restore_checkpoint_mask = restore_checkpoint_mask
+        self.had_forward_attr = "forward" in model.__dict__
+        self.orig_forward_attr = model.__dict__.get("forward")
+        self.saved_backends: list[tuple[object, object]] = []
+        self.signature = inspect.signature(model.forward)
+
+
+def enable_varlen(
+    model: torch.nn.Module,
+    backend: str | None = "auto",
+    *,
+    strict: bool = False,
+    float_mask: str = "bool",
+    restore_checkpoint_mask: bool = True,
+):
+    """Make every masked attention inside ``model`` run packed, with one plan per forward.
+
+    Args:
+        model: a diffusers transformer, or any ``nn.Module`` whose attention calls
+            ``F.scaled_dot_product_attention`` (directly or through diffusers'
+            ``dispatch_attention_fn`` with the native backend).
+        backend: varlen backend name or ``"auto"``; explicit names never fall back silently.
+        strict: raise :class:`~varlen_attn.NotPackableError` on masks that cannot be packed
+            instead of running masked SDPA for them.
+        float_mask: ``"bool"``, ``"bias"`` or ``"error"``: how float mask *inputs* of the model
+            are read (see the module docstring).
+        restore_checkpoint_mask: pass the model's ``attention_mask`` to checkpointed blocks that
+            diffusers calls without it (Chroma's single blocks).
+
+    Returns:
+        ``model`` itself, also usable as a context manager via :func:`varlen`.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise InputTypeError(f"model must be a torch.nn.Module, got {describe(model)}")
+    if float_mask not in _FLOAT_POLICIES:
+        raise InputValueError(f"float_mask must be one of {_FLOAT_POLICIES}, got {float_mask!r}")
+    requested_backend(None if backend == "auto" else backend)  # validate the name now
+    if getattr(model, "_varlen_state", None) is not None:
+        disable_varlen(model)
+    state = _State(model, None if backend == "auto" else backend, strict, float_mask, restore_checkpoint_mask)
+    # diffusers routes attention to a non-native backend when one was set per processor; those
+    # (e.g. flash_varlen) bypass SDPA and some are wrong for joint sequences. Use native while enabled.
+    for module in model.modules():
+        proc = getattr(module, "processor", None)
+        if proc is not None and getattr(proc, "_attention_backend", None) is not None:
+            state.saved_backends.append((proc, proc._attention_backend))
+            proc._attention_backend = None
+    orig_forward = model.forward
+
+    @functools.wraps(orig_forward)
+    def forward(*args, **kwargs):
+        return _run_forward(model, state, orig_forward, args, kwargs)
+
+    model.forward = forward
+    model._varlen_state = state
+    return model
+
+
+def disable_varlen(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`enable_varlen` exactly: the original forward and attention backends return."""
+    state = getattr(model, "_varlen_state", None)
+    if state is None:
+        return model
+    if state.had_forward_attr:
+        model.forward = state.orig_forward_attr
+    else:
+        del model.forward
+    for proc, backend in state.saved_backends:
+        proc._attention_backend = backend
+    del model._varlen_state
+    return model
+
+
+class varlen:  # noqa: N801 - a context manager named like the function it wraps
+    """``with varlen_attn.varlen(model, ...):`` enables varlen for the block, then disables it."""
+
+    def __init__(self, model: torch.nn.Module, backend: str | None = "auto", **kwargs):
+        self.model, self.backend, self.kwargs = model, backend, kwargs
+
+    def __enter__(self):
+        return enable_varlen(self.model, self.backend, **self.kwargs)
+
+    def __exit__(self, *exc):
+        disable_varlen(self.model)
+        return False
+
+
+def _run_forward(model, state: _State, orig_forward, args, kwargs):
+    ctx = ForwardContext(state.backend, state.strict)
+    bound = state.signature.bind_partial(*args, **kwargs)
+    for name, value in list(bound.arguments.items()):
+        if "mask" in name and isinstance(value, torch.Tensor):
+            value = _apply_float_policy(ctx, name, value, state.float_mask)
+            bound.arguments[name] = value
+            ctx.roots[name] = value
+            ctx.mark(value, ("root", name))
+    wrapped = _wrap_checkpointing(model, ctx, state)
+    try:
+        with ctx.active():
+            out = orig_forward(*bound.args, **bound.kwargs)
+        ctx.flush_checks()
+        return out
+    finally:
+        for module, func in wrapped:
+            module._gradient_checkpointing_func = func
+
+
+def _apply_float_policy(ctx: ForwardContext, name: str, mask: torch.Tensor, policy: str) -> torch.Tensor:
+    if not mask.is_floating_point() or policy == "bias":
+        return mask
+    if policy == "error":
+        raise InputTypeError(
+            f"{name} is a float mask (dtype {mask.dtype}) and float_mask='error'; pass a bool mask "
+            f"(True = keep), or choose float_mask='bool' or 'bias'"
+        )
+    if name not in _warned:
+        _warned.add(name)
+        logger.warning(
+            "varlen_attn: %s is a float mask; reading it as boolean (1 = keep, 0 = drop) as the "
+            "pipeline means it, not as SDPA's additive bias (float_mask='bias' keeps the stock reading)",
+            name,
+        )
+    ctx.pending_checks.append((
+        ~((mask == 0) | (mask == 1)).all(),
+        f"{name} is a float mask with values other than 0 and 1, so float_mask='bool' cannot read "
+        f"it as a keep-mask; pass a bool mask, or float_mask='bias' for an additive bias",
+    ))
+    return mask != 0
+
+
+def _wrap_checkpointing(model, ctx: ForwardContext, state: _State):
+    """Wrap every ``_gradient_checkpointing_func`` so recomputation re-enters ``ctx``."""
+    wrapped = []
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is None or not getattr(module, "gradient_checkpointing", False):
+            continue
+
+        def ckpt(block, *args, _func=func, **kwargs):
+            mask = ctx.roots.get("attention_mask")
+            if state.restore_checkpoint_mask and mask is not None and isinstance(block, torch.nn.Module):
+                args = _restore_mask(block, args, kwargs, mask)
+
+            def run(*a, **kw):  # diffusers' helper calls ``module.__call__``: a function has one
+                with ctx.active():
+                    return block(*a, **kw)
+
+            return _func(run, *args, **kwargs)
+
+        module._gradient_checkpointing_func = ckpt
+        wrapped.append((module, func))
+    return wrapped
+
+
+def _restore_mask(block, args, kwargs, mask):
+    """Append ``mask`` as ``attention_mask`` when ``block`` takes it right after the given
+    positional arguments and the caller left it out (diffusers' checkpoint helper passes
+    positional arguments only)."""
+    try:
+        params = list(inspect.signature(block.forward).parameters)
+    except (TypeError, ValueError):
+        return args
+    if "attention_mask" in kwargs or "attention_mask" not in params:
+        return args
+    if params.index("attention_mask") == len(args):
+        return (*args, mask)
+    return args
+
+
+# --------------------------------------------------------------------------------------------
+# VarlenAttnProcessor
+
+
+class VarlenAttnProcessor:
+    """A diffusers attention processor that runs another processor with varlen attention.
+
+    ``processor`` is the processor doing the projections (default: the module's own default
+    processor class, e.g. ``FluxAttnProcessor`` or ``AttnProcessor2_0``). Its SDPA calls run
+    packed. Inside an ``enable_varlen`` forward the per-forward plan is shared; on its own, plans
+    are cached per mask tensor object. Set on chosen modules with ``attn.set_processor(...)`` or
+    on all with ``model.set_attn_processor(VarlenAttnProcessor())``.
+    """
+
+    def __new__(cls, processor=None, backend: str | None = None, strict: bool = False):
+        if processor is None:
+            return super().__new__(cls)
+        # diffusers filters call kwargs by the processor's __call__ signature: mirror the inner one.
+        sub = _processor_class(type(processor))
+        return super().__new__(sub)
+
+    def __init__(self, processor=None, backend: str | None = None, strict: bool = False):
+        self.processor = processor
+        self.backend = backend
+        self.strict = strict
+        self._by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def _inner(self, attn):
+        if self.processor is not None:
+            return self.processor
+        inner = self._by_module.get(attn)
+        if inner is None:
+            cls = getattr(attn, "_default_processor_cls", None)
+            if cls is None:
+                from diffusers.models.attention_processor import AttnProcessor2_0 as cls
+            inner = self._by_module[attn] = cls()
+        return inner
+
+    def __call__(self, attn, *args, **kwargs):
+        inner = self._inner(attn)
+        ctx = current_context()
+        if ctx is None:
+            ctx = ForwardContext(self.backend, self.strict)
+        with ctx.active():
+            return inner(attn, *args, **kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def _processor_class(inner_cls):
+    sig = inspect.signature(inner_cls.__call__)
+
+    def __call__(self, attn, *args, **kwargs):
+        return VarlenAttnProcessor.__call__(self, attn, *args, **kwargs)
+
+    __call__.__signature__ = sig
+    return type(f"Varlen{inner_cls.__name__}", (VarlenAttnProcessor,), {"__call__": __call__})
