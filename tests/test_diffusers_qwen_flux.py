@@ -1,0 +1,465 @@
+"""enable_varlen on diffusers' Qwen-Image and Flux transformers: outputs and every parameter's
+gradient equal the stock model's, one plan per forward, no fallback for padding masks.
+
+Tiny random models in float64 on the CPU, batches of 3 with different prompt lengths, one of them
+an empty prompt (caption dropout: zero valid text tokens), plus the no-mask and all-true cases,
+for the CPU backends ``split_sdpa`` and ``reference``.
+
+How each model gets its mask:
+
+* Qwen-Image takes ``encoder_hidden_states_mask`` ``[B, T]``; ``QwenDoubleStreamAttnProcessor2_0``
+  builds ``cat([text_mask, ones(B, N)])[:, None, None, :]`` in every block, so rows read
+  ``[text valid, text padding, image]``: the gap sits in the middle of the row. enable_varlen
+  tracks that derivation, so both blocks share one plan per forward.
+* Flux has no mask argument. A user passes one through
+  ``joint_attention_kwargs={"attention_mask": mask}``: ``FluxAttention.forward`` hands it to
+  ``FluxAttnProcessor``, which passes it untouched to ``dispatch_attention_fn``; diffusers'
+  native backend reshapes a 2-D ``[B, T+N]`` mask to ``[B, 1, 1, T+N]`` (in every call) and SDPA
+  runs on ``[B, H, T + N, D]``, text first. So the mask may be ``[B, T+N]``, ``[B, 1, 1, T+N]``
+  (key padding) or ``[B, 1, T+N, T+N]`` (Chroma-style outer product), bool or additive float.
+  Flux does honour it: ``test_flux_mask_is_honoured`` checks the masked batch against each
+  sample run alone with its prompt cut to the valid tokens. The mask is not a model argument,
+  so enable_varlen cannot trace it; a 4-D mask reaches every block as the same tensor object and
+  the plan cache (keyed by mask object) builds it once per forward. A 2-D mask does not: the
+  backend's per-call ``unsqueeze`` makes a new view in every block, and each view builds its
+  own plan (one host sync per attention layer): ``test_flux_2d_mask_one_plan_per_forward``,
+  expected to fail until that is fixed.
+
+Tolerance, derived from data: for each case the stock model is also run on a permuted batch
+(outputs permuted back), an equivalent computation that only changes float64 summation order
+(parameter gradients sum over the batch). Its worst relative difference (``max|a-b| / max|b|``
+over the output and every gradient) is the case's rounding floor; observed 7.3e-16 to 8.3e-16
+(outputs are bit-identical, gradients are not). varlen must stay within ``TOL_FACTOR`` times
+that floor (at least float64 eps). Observed varlen-vs-stock worst relative differences: outputs
+4.3e-16, gradients 1.07e-15 (Flux, ``reference``), at most 1.4x the floor; ``split_sdpa`` with an
+all-true mask and every backend with no mask are bit-exact. A real masking error moves outputs
+by ~1e-2.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import varlen_attn as va
+
+diffusers = pytest.importorskip("diffusers")
+
+BACKENDS = ("split_sdpa", "reference")
+B, T = 3, 7  # batch, padded prompt length
+H_IMG, W_IMG = 4, 5
+N = H_IMG * W_IMG  # image tokens
+EPS64 = torch.finfo(torch.float64).eps
+# Observed varlen error / permuted-batch floor: at most 1.4. 16 leaves headroom for other seeds and
+# BLAS builds while staying 1e12 below the effect of a masking error.
+TOL_FACTOR = 16.0
+
+
+# --------------------------------------------------------------------------------------------
+# models and inputs
+
+
+@functools.lru_cache(maxsize=None)
+def qwen_model():
+    torch.manual_seed(0)
+    return diffusers.QwenImageTransformer2DModel(
+        patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+    ).double()
+
+
+@functools.lru_cache(maxsize=None)
+def flux_model():
+    torch.manual_seed(0)
+    return diffusers.FluxTransformer2DModel(
+        patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=32, pooled_projection_dim=8, axes_dims_rope=(4, 6, 6),
+    ).double()
+
+
+QWEN_ATTN_LAYERS = 2  # two double-stream blocks
+FLUX_ATTN_LAYERS = 2  # one double-stream block, one single-stream block
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden_states": torch.randn(B, N, 4, generator=g, dtype=torch.float64),
+        "encoder_hidden_states": torch.randn(B, T, 32, generator=g, dtype=torch.float64),
+        "pooled_projections": torch.randn(B, 8, generator=g, dtype=torch.float64),
+        "timestep": torch.tensor([0.1, 0.5, 0.9], dtype=torch.float64),
+    }
+
+
+INPUTS = _inputs()
+TXT_IDS = torch.zeros(T, 3, dtype=torch.float64)
+IMG_IDS = torch.stack(torch.meshgrid(torch.zeros(1), torch.arange(float(H_IMG)), torch.arange(float(W_IMG)),
+                                     indexing="ij"), -1).reshape(-1, 3).double()
+
+
+def prefix_keep(lens) -> torch.Tensor:
+    """[B, T] bool: sample b keeps its first lens[b] text tokens."""
+    return torch.arange(T)[None, :] < torch.tensor(lens)[:, None]
+
+
+def _grads(model, out):
+    out.pow(2).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def run_qwen(mask, perm=None, grad=True):
+    """Output and parameter gradients under loss ``out.pow(2).sum()``; ``perm`` permutes the
+    batch on the way in and back on the way out."""
+    m = qwen_model()
+    perm = torch.arange(B) if perm is None else perm
+    m.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(grad):
+        out = m(hidden_states=INPUTS["hidden_states"][perm],
+                encoder_hidden_states=INPUTS["encoder_hidden_states"][perm],
+                encoder_hidden_states_mask=None if mask is None else mask[perm],
+                timestep=INPUTS["timestep"][perm], img_shapes=[(1, H_IMG, W_IMG)] * B,
+                return_dict=False)[0]
+    if not grad:
+        return out, {}
+    out, grads = _grads(m, out)
+    return out[torch.argsort(perm)], grads
+
+
+def run_flux(mask, perm=None, grad=True, sample=None, text_len=T):
+    """As :func:`run_qwen`; ``mask`` goes through ``joint_attention_kwargs["attention_mask"]``.
+    ``sample``/``text_len`` run one batch element alone with its prompt cut to ``text_len``."""
+    m = flux_model()
+    idx = torch.arange(B) if perm is None else perm
+    if sample is not None:
+        idx = torch.tensor([sample])
+    m.zero_grad(set_to_none=True)
+    with torch.set_grad_enabled(grad):
+        out = m(hidden_states=INPUTS["hidden_states"][idx],
+                encoder_hidden_states=INPUTS["encoder_hidden_states"][idx, :text_len],
+                pooled_projections=INPUTS["pooled_projections"][idx], timestep=INPUTS["timestep"][idx],
+                img_ids=IMG_IDS, txt_ids=TXT_IDS[:text_len],
+                joint_attention_kwargs=None if mask is None else {"attention_mask": mask[idx]},
+                return_dict=False)[0]
+    if not grad:
+        return out, {}
+    out, grads = _grads(m, out)
+    return (out if perm is None else out[torch.argsort(perm)]), grads
+
+
+def flux_joint_mask(keep: torch.Tensor, form: str) -> torch.Tensor:
+    """The user's joint ``[text; image]`` mask for Flux from a [B, T] text keep-mask."""
+    joint = torch.cat([keep, torch.ones(keep.shape[0], N, dtype=torch.bool)], dim=1)  # [B, T+N]
+    if form == "key_2d":  # diffusers' native backend unsqueezes it to [B, 1, 1, T+N]
+        return joint
+    if form == "key_bool":
+        return joint[:, None, None, :]
+    if form == "key_neg_inf":
+        bias = torch.zeros(joint.shape, dtype=torch.float64).masked_fill(~joint, float("-inf"))
+        return bias[:, None, None, :]
+    if form == "outer_bool":  # Chroma's layout: padded text queries attend nothing (zero rows)
+        return joint[:, None, :, None] & joint[:, None, None, :]
+    raise ValueError(form)
+
+
+# --------------------------------------------------------------------------------------------
+# comparison
+
+
+def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max|got - ref| / max|ref|; inf when ref is all zero and got is not."""
+    err = (got - ref).abs().max().item()
+    scale = ref.abs().max().item()
+    return 0.0 if err == 0 else (err / scale if scale > 0 else float("inf"))
+
+
+def worst_rel_err(a, b) -> float:
+    assert set(a[1]) == set(b[1]), "different parameters received gradients"
+    return max([rel_err(a[0], b[0])] + [rel_err(a[1][n], b[1][n]) for n in b[1]])
+
+
+def assert_matches(got, ref, tol: float, what: str):
+    assert got[0].shape == ref[0].shape
+    assert set(got[1]) == set(ref[1]), f"{what}: different parameters received gradients"
+    assert len(ref[1]) > 0
+    e = rel_err(got[0], ref[0])
+    assert e <= tol, f"{what}: output differs by {e:.3g} relative (tolerance {tol:.3g})"
+    bad = {n: rel_err(got[1][n], ref[1][n]) for n in ref[1]}
+    bad = {n: e for n, e in bad.items() if not e <= tol}
+    assert not bad, f"{what}: gradients differ beyond {tol:.3g}: {bad}"
+
+
+@functools.lru_cache(maxsize=None)
+def stock(model: str, case: str):
+    """Stock result of a case and its tolerance (TOL_FACTOR x the permuted-batch floor)."""
+    run, mask = _case(model, case)
+    ref = run(mask)
+    permuted = run(mask, perm=torch.tensor([2, 0, 1]))
+    floor = worst_rel_err(permuted, ref)
+    assert floor < 1e-13, f"stock model is not reproducible under batch permutation: {floor}"
+    return ref, TOL_FACTOR * max(floor, EPS64)
+
+
+QWEN_CASES = {
+    # lengths 5, 2, 0: every row has a gap between valid text and the image; one empty prompt
+    "prefix": lambda: prefix_keep([5, 2, 0]),
+    # one full prompt, one partial, one empty
+    "full_partial_empty": lambda: prefix_keep([T, 3, 0]),
+    # Qwen's mask may have any pattern, not only a prefix
+    "scattered": lambda: torch.tensor([[1, 0, 1, 1, 0, 1, 0], [0, 0, 0, 1, 1, 0, 0], [0] * T],
+                                      dtype=torch.bool),
+    # the pipeline's integer and float masks: both models read them as bool (nonzero = keep)
+    "prefix_int64": lambda: prefix_keep([5, 2, 0]).long(),
+    "prefix_float": lambda: prefix_keep([5, 2, 0]).double(),
+    "all_true": lambda: torch.ones(B, T, dtype=torch.bool),
+    "none": lambda: None,
+}
+FLUX_CASES = {
+    "prefix": lambda: flux_joint_mask(prefix_keep([5, 2, 0]), "key_bool"),
+    "full_partial_empty": lambda: flux_joint_mask(prefix_keep([T, 3, 0]), "key_bool"),
+    "prefix_neg_inf": lambda: flux_joint_mask(prefix_keep([5, 2, 0]), "key_neg_inf"),
+    "prefix_outer": lambda: flux_joint_mask(prefix_keep([5, 2, 0]), "outer_bool"),
+    "all_true": lambda: flux_joint_mask(torch.ones(B, T, dtype=torch.bool), "key_bool"),
+    "none": lambda: None,
+}
+
+
+def _case(model: str, case: str):
+    if model == "qwen":
+        return run_qwen, QWEN_CASES[case]()
+    return run_flux, FLUX_CASES[case]()
+
+
+def check_case(model: str, case: str, backend: str):
+    ref, tol = stock(model, case)
+    run, mask = _case(model, case)  # a fresh mask object: no plan cached from another test
+    m = qwen_model() if model == "qwen" else flux_model()
+    layers = QWEN_ATTN_LAYERS if model == "qwen" else FLUX_ATTN_LAYERS
+    va.enable_varlen(m, backend=backend)
+    try:
+        va.reset_stats()
+        got = run(mask)
+        s = va.stats()
+    finally:
+        va.disable_varlen(m)
+    assert "forward" not in m.__dict__  # disable_varlen restored the class forward
+
+    if mask is None:
+        # Nothing to pack: the stock SDPA call runs unchanged, so the results are bit-exact.
+        assert s["backends"] == {"sdpa": layers}
+        assert s["plan_builds"] == 0
+        assert torch.equal(got[0], ref[0])
+        assert all(torch.equal(got[1][n], ref[1][n]) for n in ref[1]) and set(got[1]) == set(ref[1])
+    else:
+        # varlen ran every attention layer on the requested backend, from one plan.
+        assert s["backends"] == {backend: layers}, s
+        assert s["plan_builds"] == 1, s
+        assert_matches(got, ref, tol, f"{model}/{case}/{backend}")
+    assert s["fallbacks"] == {}, s
+
+
+# --------------------------------------------------------------------------------------------
+# Qwen-Image
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(QWEN_CASES))
+def test_qwen_matches_stock(case, backend):
+    check_case("qwen", case, backend)
+
+
+def test_qwen_mask_matters():
+    """The padding cases are a real test: the mask moves the stock output far beyond tolerance."""
+    ref, tol = stock("qwen", "prefix")
+    unmasked, _ = stock("qwen", "none")
+    assert rel_err(ref[0], unmasked[0]) > 1e-4 > 1e6 * tol
+    # The full-length sample of "full_partial_empty" is unaffected by its all-true row.
+    ref_fpe, _ = stock("qwen", "full_partial_empty")
+    assert rel_err(ref_fpe[0][0], unmasked[0][0]) <= tol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qwen_one_plan_per_forward(backend):
+    """Three forwards, two blocks each: the processor re-derives the joint mask in every block,
+    the derivation is tracked, so exactly one plan per forward (the same mask object passed
+    again still costs one build per forward: the derived joint mask is a new tensor)."""
+    m = qwen_model()
+    mask = prefix_keep([5, 2, 0])
+    ref = [run_qwen(mask, grad=False)[0] for _ in range(3)]
+    va.enable_varlen(m, backend=backend)
+    try:
+        va.reset_stats()
+        got = [run_qwen(mask, grad=False)[0] for _ in range(3)]
+        s = va.stats()
+    finally:
+        va.disable_varlen(m)
+    assert s["plan_builds"] == 3 and s["host_syncs"] == 3, s
+    assert s["backends"] == {backend: 3 * QWEN_ATTN_LAYERS} and s["fallbacks"] == {}, s
+    _, tol = stock("qwen", "prefix")
+    for g, r in zip(got, ref):
+        assert rel_err(g, r) <= tol
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_qwen_gradient_checkpointing(backend):
+    """Checkpointed blocks recompute in backward inside the same forward context: same plan,
+    no rebuild, gradients equal to the stock (non-checkpointed) model."""
+    ref, tol = stock("qwen", "prefix")
+    m = qwen_model()
+    m.enable_gradient_checkpointing()
+    va.enable_varlen(m, backend=backend)
+    try:
+        va.reset_stats()
+        got = run_qwen(prefix_keep([5, 2, 0]))
+        s = va.stats()
+    finally:
+        va.disable_varlen(m)
+        m.disable_gradient_checkpointing()
+    assert s["plan_builds"] == 1, s
+    # forward and recomputation both ran on varlen
+    assert s["backends"] == {backend: 2 * QWEN_ATTN_LAYERS} and s["fallbacks"] == {}, s
+    assert_matches(got, ref, tol, f"qwen/checkpointing/{backend}")
+
+
+@settings(max_examples=10, deadline=None)
+@given(keep=st.lists(st.lists(st.booleans(), min_size=T, max_size=T), min_size=B, max_size=B),
+       backend=st.sampled_from(BACKENDS))
+def test_qwen_any_text_pattern(keep, backend):
+    """Random text masks (any pattern, empty rows included) against the stock model."""
+    keep = torch.tensor(keep, dtype=torch.bool)
+    ref = run_qwen(keep)
+    floor = worst_rel_err(run_qwen(keep, perm=torch.tensor([1, 2, 0])), ref)
+    tol = TOL_FACTOR * max(floor, EPS64)
+    m = qwen_model()
+    va.enable_varlen(m, backend=backend)
+    try:
+        va.reset_stats()
+        got = run_qwen(keep)
+        s = va.stats()
+    finally:
+        va.disable_varlen(m)
+    assert s["plan_builds"] == 1 and s["fallbacks"] == {} and s["backends"] == {backend: QWEN_ATTN_LAYERS}, s
+    assert_matches(got, ref, tol, f"qwen/random/{backend}")
+
+
+# --------------------------------------------------------------------------------------------
+# Flux (mask through joint_attention_kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("case", list(FLUX_CASES))
+def test_flux_matches_stock(case, backend):
+    check_case("flux", case, backend)
+
+
+@pytest.mark.parametrize("backend", (None,) + BACKENDS)
+def test_flux_mask_is_honoured(backend):
+    """Flux does not ignore ``joint_attention_kwargs["attention_mask"]``: each sample of the
+    masked batch equals that sample run alone, unmasked, with its prompt cut to its valid tokens
+    (an empty prompt: no text at all). Stock (backend None) and varlen alike."""
+    lens = [5, 2, 0]
+    _, tol = stock("flux", "prefix")
+    alone = [run_flux(None, sample=i, text_len=lens[i], grad=False)[0] for i in range(B)]
+    mask = flux_joint_mask(prefix_keep(lens), "key_bool")
+    m = flux_model()
+    if backend is not None:
+        va.enable_varlen(m, backend=backend)
+    try:
+        va.reset_stats()
+        out = run_flux(mask, grad=False)[0]
+        s = va.stats()
+    finally:
+        va.disable_varlen(m)
+    for i in range(B):
+        assert rel_err(out[i:i + 1], alone[i]) <= tol, i
+    unmasked = run_flux(None, grad=False)[0]
+    assert rel_err(out, unmasked) > 1e-4  # the mask changes the answer
+    if backend is not None:
+        assert s["backends"] == {backend: FLUX_ATTN_LAYERS} and s["plan_builds"] == 1, s
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flux_one_plan_per_forward(backend):
+    """A fresh user mask per forward: one plan per forward, shared by both blocks (cache by
+    mask object). Passing the *same* mask object again reuses the cached plan: no rebuild."""
+    m = flux_model()
+    keep = prefix_keep([5, 2, 0])
+    va.enable_varlen(m, backend=backend)
+    try:
+        va.reset_stats()
+        for _ in range(3):
+            run_flux(flux_joint_mask(keep, "key_bool"), grad=False)
+        s = va.stats()
+        assert s["plan_builds"] == 3 and s["host_syncs"] == 3, s
+        assert s["backends"] == {backend: 3 * FLUX_ATTN_LAYERS} and s["fallbacks"] == {}, s
+        same = flux_joint_mask(keep, "key_bool")
+        va.reset_stats()
+        # run_flux indexes the mask by the batch order (a new tensor), so call the model directly
+        for _ in range(2):
+            m(**{k: INPUTS[k] for k in ("hidden_states", "encoder_hidden_states", "pooled_projections",
+                                        "timestep")},
+              img_ids=IMG_IDS, txt_ids=TXT_IDS, joint_attention_kwargs={"attention_mask": same},
+              return_dict=False)
+        assert va.stats()["plan_builds"] == 1, va.stats()
+    finally:
+        va.disable_varlen(m)
+
+
+@settings(max_examples=10, deadline=None)
+@given(lens=st.lists(st.integers(0, T), min_size=B, max_size=B), backend=st.sampled_from(BACKENDS),
+       form=st.sampled_from(["key_bool", "key_neg_inf", "outer_bool"]))
+def test_flux_any_prompt_lengths(lens, backend, form):
+    mask = flux_joint_mask(prefix_keep(lens), form)
+    ref = run_flux(mask)
+    floor = worst_rel_err(run_flux(mask, perm=torch.tensor([1, 2, 0])), ref)
+    tol = TOL_FACTOR * max(floor, EPS64)
+    m = flux_model()
+    va.enable_varlen(m, backend=backend)
+    try:
+        va.reset_stats()
+        got = run_flux(mask.clone())
+        s = va.stats()
+    finally:
+        va.disable_varlen(m)
+    assert s["plan_builds"] == 1 and s["fallbacks"] == {} and s["backends"] == {backend: FLUX_ATTN_LAYERS}, s
+    assert_matches(got, ref, tol, f"flux/{lens}/{form}/{backend}")
+
+
+def _flux_2d_forward(backend):
+    """varlen run of a Flux batch with a 2-D [B, T+N] user mask: (result, stats)."""
+    m = flux_model()
+    va.enable_varlen(m, backend=backend)
+    try:
+        va.reset_stats()
+        got = run_flux(flux_joint_mask(prefix_keep([5, 2, 0]), "key_2d"))
+        return got, va.stats()
+    finally:
+        va.disable_varlen(m)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flux_2d_mask_matches_stock(backend):
+    """A [B, T+N] mask (diffusers' native backend reshapes it per call): stock reads it as the
+    [B, 1, 1, T+N] key-padding mask, and varlen matches it."""
+    ref, tol = stock("flux", "prefix")
+    ref_2d = run_flux(flux_joint_mask(prefix_keep([5, 2, 0]), "key_2d"))
+    assert worst_rel_err(ref_2d, ref) <= tol
+    got, s = _flux_2d_forward(backend)
+    assert_matches(got, ref_2d, tol, f"flux/2d/{backend}")
+    assert s["backends"] == {backend: FLUX_ATTN_LAYERS} and s["fallbacks"] == {}, s
+    # Today one plan per attention layer, not per forward (see the strict xfail below).
+    assert 1 <= s["plan_builds"] <= FLUX_ATTN_LAYERS, s
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "varlen_attn builds one plan per attention layer for a 2-D Flux mask: diffusers' native backend "
+    "makes a new [B,1,1,S] view of it in every call, the mask is not a model argument (it sits in "
+    "joint_attention_kwargs) so its derivation is not tracked, and the plan cache is keyed by tensor "
+    "object"))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_flux_2d_mask_one_plan_per_forward(backend):
+    _, s = _flux_2d_forward(backend)
+    assert s["plan_builds"] == 1, s
