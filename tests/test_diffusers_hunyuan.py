@@ -337,10 +337,8 @@ def test_refiner_packability_all_masks():
                                    equal_nan=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "varlen_attn bug: the refiner's in-place `mask[:, :, :, 0] = True` bumps the mask's version, "
-    "so its derivation key is dropped and the refiner mask is planned once per refiner layer "
-    "(3 builds here), not once per forward"))
+# The refiner's in-place `mask[:, :, :, 0] = True` is re-keyed (not forgotten), so its mask is
+# planned once per forward however many refiner layers there are.
 def test_plan_builds_once_per_forward_with_two_refiner_layers():
     m = make_model(num_refiner_layers=2, num_layers=2)  # diffusers' default has 2 refiner layers
     rows = [6, 1]

@@ -450,15 +450,11 @@ def test_flux_2d_mask_matches_stock(backend):
     got, s = _flux_2d_forward(backend)
     assert_matches(got, ref_2d, tol, f"flux/2d/{backend}")
     assert s["backends"] == {backend: FLUX_ATTN_LAYERS} and s["fallbacks"] == {}, s
-    # Today one plan per attention layer, not per forward (see the strict xfail below).
-    assert 1 <= s["plan_builds"] <= FLUX_ATTN_LAYERS, s
+    assert s["plan_builds"] == 1, s
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "varlen_attn builds one plan per attention layer for a 2-D Flux mask: diffusers' native backend "
-    "makes a new [B,1,1,S] view of it in every call, the mask is not a model argument (it sits in "
-    "joint_attention_kwargs) so its derivation is not tracked, and the plan cache is keyed by tensor "
-    "object"))
+# Mask tensors inside dict arguments (joint_attention_kwargs) are tracked as mask inputs, so the
+# per-call [B, 1, 1, S] views diffusers makes share one plan per forward.
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_flux_2d_mask_one_plan_per_forward(backend):
     _, s = _flux_2d_forward(backend)

@@ -34,7 +34,6 @@ import torch
 from diffusers import PixArtTransformer2DModel, SanaTransformer2DModel
 
 import varlen_attn as va
-from varlen_attn import InputValueError
 
 DT = torch.float64
 EPS = torch.finfo(DT).eps
@@ -224,23 +223,23 @@ def test_precomputed_bias_input_with_bias_policy(setup, keep_case):
     assert st["plan_builds"] == 1 and st["fallbacks"] == {} and st["backends"]["split_sdpa"] == LAYERS, st
 
 
-def test_precomputed_bias_input_default_policy_refuses_minus_10000(setup):
-    """Default float_mask='bool' cannot read a -10000 bias as a keep-mask: it raises, not guesses."""
+@pytest.mark.parametrize("keep_case", ["ragged_with_empty", "all_true"])
+def test_precomputed_bias_input_default_policy(setup, keep_case):
+    """Under the default float_mask='bool' a ready -10000 bias [B, 1, T] is not a 0/1 mask, so it
+    keeps SDPA's additive reading: same result as stock, one plan, no fallback."""
     name, model, inputs, _ = setup
-    bias = ((1 - _keep("ragged_with_empty", DT)) * -10000.0)[:, None]
-    va.enable_varlen(model, backend="split_sdpa")
-    try:
-        with pytest.raises(InputValueError, match="encoder_attention_mask"), torch.no_grad():
-            model(**inputs, encoder_attention_mask=bias, return_dict=False)
-    finally:
-        va.disable_varlen(model)
+    keep = _keep(keep_case, DT)
+    bias = ((1 - keep) * -10000.0)[:, None]
+    exact = ((1 - _exact_mask(keep)) * -10000.0)[:, None]
+    stock = _run(model, inputs, encoder_attention_mask=bias)
+    baseline = _run(model, inputs, encoder_attention_mask=exact)
+    got, st = _with_varlen(model, inputs, "split_sdpa", {}, encoder_attention_mask=bias)
+    _assert_equal_to_stock(got, stock, baseline, f"{name}/bias-input-default/{keep_case}")
+    assert st["plan_builds"] == 1 and st["fallbacks"] == {}, st
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "varlen_attn bug: float_mask='bool' (default) reads a documented all-zero bias [B, 1, T] "
-    "(= keep every token) as bool 'mask != 0' = drop everything, and the model (ndim 3: no "
-    "conversion) passes that bool mask on; the output silently differs from stock"))
 def test_precomputed_zero_bias_input_default_policy(setup):
+    """An all-zero bias [B, 1, T] (keep every token) is not 0/1-with-a-one: stock reading."""
     name, model, inputs, _ = setup
     bias = torch.zeros(B, 1, T, dtype=DT)
     with torch.no_grad():

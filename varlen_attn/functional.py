@@ -100,6 +100,8 @@ def _masked_sdpa(q, k, v, mask4, dropout_p, causal, scale, gqa, reason):
 def _attend(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, strict):
     """Core on ``[B, S, H, D]`` tensors: the varlen path, or masked SDPA with the reason."""
     name = requested_backend(backend)
+    if plan.read_as_bool and mask4 is not None:
+        mask4 = mask4 != 0
     reason = None
     if not plan.packable:
         reason = plan.reason

@@ -29,10 +29,12 @@ checkpointing.
 
 Float masks (``float_mask``): Chroma's pipeline passes a float 0/1 ``attention_mask``, which SDPA
 reads as an additive bias (a known diffusers bug: padding then gets weight e^0 vs e^1, not 0).
-``"bool"`` (default) reads a float model mask input as boolean (1 = keep) with a one-time
-warning, and raises if it holds values other than 0 and 1 (checked inside the plan's single
-sync); ``"bias"`` keeps SDPA's additive reading (stock behaviour; such masks are not packable and
-go to SDPA); ``"error"`` refuses float mask inputs.
+The policy applies to masks as they *reach attention*: a float mask whose values are all 0 or 1,
+with at least one 1, is read as boolean (1 = keep) under ``"bool"`` (default, one warning per
+process), refused under ``"error"``, and read as SDPA does (an additive bias, not packable, so
+masked SDPA runs) under ``"bias"``. The decision is taken on the device inside the plan's single
+sync. Real additive masks (0/-inf, -10000 biases, an all-zero bias) are never 0/1-with-a-one,
+so they keep SDPA's reading under every policy.
 """
 
 from __future__ import annotations
@@ -73,12 +75,12 @@ class _Unkeyable(Exception):
 class ForwardContext:
     """Per-forward state: derivation keys of mask tensors, and the plans built from them."""
 
-    def __init__(self, backend: str | None, strict: bool):
+    def __init__(self, backend: str | None, strict: bool, float_mask: str = "bias"):
         self.backend = backend
         self.strict = strict
+        self.float_mask = float_mask
         self.derived: dict[int, tuple] = {}
         self.plans: dict[tuple, object] = {}
-        self.pending_checks: list[tuple[torch.Tensor, str]] = []
         self.roots: dict[str, torch.Tensor] = {}
 
     # -- derivation keys -------------------------------------------------------------------
@@ -138,33 +140,17 @@ class ForwardContext:
             plan = self.plans.get(pkey) if pkey is not None else None
             if plan is None:
                 plan = build_plan(attn_mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=h,
-                                  convention="torch", checks=self._take_checks())
+                                  convention="torch", float01_as_bool=self.float_mask != "bias")
                 if pkey is not None:
                     self.plans[pkey] = plan
+            if plan.read_as_bool:
+                _float_mask_read_as_bool(self.float_mask, attn_mask)
         return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                             enable_gqa, backend=self.backend, strict=self.strict, plan=plan)
-
-    def _take_checks(self):
-        checks, self.pending_checks = self.pending_checks, []
-        return checks
-
-    def flush_checks(self) -> None:
-        """Checks no plan build has read yet (the forward had no masked attention): read them now."""
-        checks = self._take_checks()
-        if checks:
-            flags = _stats_host(torch.stack([c for c, _ in checks]))
-            for bad, (_, msg) in zip(flags, checks):
-                if bad:
-                    raise InputValueError(msg)
 
     # -- activation ------------------------------------------------------------------------
     def active(self):
         return _Activation(self)
-
-
-def _stats_host(t: torch.Tensor) -> list:
-    _stats.record_host_sync()
-    return t.tolist()
 
 
 def _flat(args, kwargs):
@@ -173,6 +159,28 @@ def _flat(args, kwargs):
             yield from _flat(a, {})
         else:
             yield a
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or (
+        name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__index__", "__int__", "__invert__", "__iter__"))
+
+
+def _float_mask_read_as_bool(policy: str, mask: torch.Tensor) -> None:
+    if policy == "error":
+        raise InputTypeError(
+            f"a float 0/1 attention mask (dtype {mask.dtype}, shape {tuple(mask.shape)}) reached "
+            f"attention and float_mask='error'; pass a bool mask (True = keep), or choose "
+            f"float_mask='bool' (read as keep-mask) or 'bias' (SDPA's additive reading)"
+        )
+    if "float01" not in _warned:
+        _warned.add("float01")
+        logger.warning(
+            "varlen_attn: a float 0/1 attention mask reached attention (Chroma's pipeline passes "
+            "one); reading it as boolean (1 = keep), as the pipeline means it, not as SDPA's "
+            "additive bias. float_mask='bias' keeps the stock reading."
+        )
 
 
 class _VarlenMode(TorchFunctionMode):
@@ -184,13 +192,21 @@ class _VarlenMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
             return self.ctx.sdpa(*args, **kwargs)
+        target = args[0] if args and isinstance(args[0], torch.Tensor) and _in_place(func) else None
+        if target is not None:
+            # The new content is func(old content): key it before the op bumps the version.
+            key = self.ctx.derive(func, args, kwargs)
+            out = func(*args, **kwargs)
+            if key is not None:
+                self.ctx.mark(target, key)
+            else:
+                self.ctx.derived.pop(id(target), None)
+            return out
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and (out.dtype == torch.bool or not out.requires_grad):
             key = self.ctx.derive(func, args, kwargs)
             if key is not None:
                 self.ctx.mark(out, key)
-            elif out is (args[0] if args else None):
-                self.ctx.derived.pop(id(out), None)  # in place on a keyed tensor: forget it
         return out
 
 
@@ -255,8 +271,8 @@ def enable_varlen(
         backend: varlen backend name or ``"auto"``; explicit names never fall back silently.
         strict: raise :class:`~varlen_attn.NotPackableError` on masks that cannot be packed
             instead of running masked SDPA for them.
-        float_mask: ``"bool"``, ``"bias"`` or ``"error"``: how float mask *inputs* of the model
-            are read (see the module docstring).
+        float_mask: ``"bool"``, ``"bias"`` or ``"error"``: how a float 0/1 mask reaching
+            attention is read (see the module docstring).
         restore_checkpoint_mask: pass the model's ``attention_mask`` to checkpointed blocks that
             diffusers calls without it (Chroma's single blocks).
 
@@ -319,46 +335,23 @@ class varlen:  # noqa: N801 - a context manager named like the function it wraps
 
 
 def _run_forward(model, state: _State, orig_forward, args, kwargs):
-    ctx = ForwardContext(state.backend, state.strict)
+    ctx = ForwardContext(state.backend, state.strict, state.float_mask)
     bound = state.signature.bind_partial(*args, **kwargs)
-    for name, value in list(bound.arguments.items()):
-        if "mask" in name and isinstance(value, torch.Tensor):
-            value = _apply_float_policy(ctx, name, value, state.float_mask)
-            bound.arguments[name] = value
-            ctx.roots[name] = value
-            ctx.mark(value, ("root", name))
+    for name, value in bound.arguments.items():
+        # Mask inputs, also inside dicts such as Flux's joint_attention_kwargs={"attention_mask": m}.
+        items = value.items() if isinstance(value, dict) else [(name, value)]
+        for sub, t in items:
+            if "mask" in str(sub) and isinstance(t, torch.Tensor):
+                full = sub if sub == name else f"{name}.{sub}"
+                ctx.roots[full] = t
+                ctx.mark(t, ("root", full))
     wrapped = _wrap_checkpointing(model, ctx, state)
     try:
         with ctx.active():
-            out = orig_forward(*bound.args, **bound.kwargs)
-        ctx.flush_checks()
-        return out
+            return orig_forward(*bound.args, **bound.kwargs)
     finally:
         for module, func in wrapped:
             module._gradient_checkpointing_func = func
-
-
-def _apply_float_policy(ctx: ForwardContext, name: str, mask: torch.Tensor, policy: str) -> torch.Tensor:
-    if not mask.is_floating_point() or policy == "bias":
-        return mask
-    if policy == "error":
-        raise InputTypeError(
-            f"{name} is a float mask (dtype {mask.dtype}) and float_mask='error'; pass a bool mask "
-            f"(True = keep), or choose float_mask='bool' or 'bias'"
-        )
-    if name not in _warned:
-        _warned.add(name)
-        logger.warning(
-            "varlen_attn: %s is a float mask; reading it as boolean (1 = keep, 0 = drop) as the "
-            "pipeline means it, not as SDPA's additive bias (float_mask='bias' keeps the stock reading)",
-            name,
-        )
-    ctx.pending_checks.append((
-        ~((mask == 0) | (mask == 1)).all(),
-        f"{name} is a float mask with values other than 0 and 1, so float_mask='bool' cannot read "
-        f"it as a keep-mask; pass a bool mask, or float_mask='bias' for an additive bias",
-    ))
-    return mask != 0
 
 
 def _wrap_checkpointing(model, ctx: ForwardContext, state: _State):
@@ -425,6 +418,7 @@ class VarlenAttnProcessor:
         self.processor = processor
         self.backend = backend
         self.strict = strict
+        self.float_mask = "bias"  # per-module use keeps SDPA's reading of float masks
         self._by_module: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     def _inner(self, attn):
@@ -442,7 +436,7 @@ class VarlenAttnProcessor:
         inner = self._inner(attn)
         ctx = current_context()
         if ctx is None:
-            ctx = ForwardContext(self.backend, self.strict)
+            ctx = ForwardContext(self.backend, self.strict, self.float_mask)
         with ctx.active():
             return inner(attn, *args, **kwargs)
 

@@ -12,6 +12,7 @@ is handed the same mask tensor gets the same plan without rebuilding it.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import weakref
 from dataclasses import dataclass
@@ -58,6 +59,8 @@ class VarlenPlan:
         q_identity, k_identity: True when the packed order is the padded order (nothing to gather).
         self_aligned: True when queries and keys are the same positions in the same segments
             (self-attention), so causal masking by rank within a segment equals causal by position.
+        read_as_bool: True when a float 0/1 mask was read as boolean (``float01_as_bool``);
+            an SDPA fallback must then use ``mask != 0``.
     """
 
     batch_size: int
@@ -80,6 +83,7 @@ class VarlenPlan:
     q_identity: bool = False
     k_identity: bool = False
     self_aligned: bool = False
+    read_as_bool: bool = False
 
     @property
     def num_segments(self) -> int:
@@ -120,7 +124,7 @@ def build_plan(
     convention: str = "model",
     strict: bool = False,
     device: torch.device | str | None = None,
-    checks: list[tuple[torch.Tensor, str]] | tuple = (),
+    float01_as_bool: bool = False,
 ) -> VarlenPlan:
     """Turn a mask into a :class:`VarlenPlan`, with at most one device-to-host sync.
 
@@ -134,9 +138,9 @@ def build_plan(
         num_heads: needed to read diffusers' ``[B*H, 1, Sk]`` layout, and to check a per-head mask.
         convention: ``"model"`` (batch first, see above) or ``"torch"`` (SDPA's broadcasting).
         strict: raise :class:`NotPackableError` instead of returning a non-packable plan.
-        checks: ``(device bool scalar, message)`` pairs read in the same host transfer; a true
-            flag raises ``InputValueError(message)``. Given checks bypass the cache (they must
-            be read).
+        float01_as_bool: read a float mask whose values are all 0 or 1, with at least one 1, as
+            boolean (1 = keep) instead of SDPA's additive reading; decided on the device and read
+            in the same single sync (``plan.read_as_bool`` tells which reading was taken).
 
     Returns:
         A frozen plan. Cached by mask object: calling again with the same unmodified mask
@@ -159,10 +163,11 @@ def build_plan(
         batch_size = _infer_batch(attn_mask, convention, num_heads)
     if seqlen_q is None:
         seqlen_q = attn_mask.shape[-2] if attn_mask.dim() >= 3 and attn_mask.shape[-2] > 1 else seqlen_k
-    key = (batch_size, seqlen_q, seqlen_k, num_heads, convention)
-    plan = None if checks else _CACHE.get(attn_mask, key)
+    float01_as_bool = bool(float01_as_bool) and attn_mask.is_floating_point()
+    key = (batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool)
+    plan = _CACHE.get(attn_mask, key)
     if plan is None:
-        plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, checks)
+        plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool)
         _CACHE.put(attn_mask, key, plan)
     if strict and not plan.packable:
         raise NotPackableError(plan.reason)
@@ -261,10 +266,15 @@ def _make_plan(batch, sq, sk, device, lens_q, lens_k, seg_batch, idx_q, idx_k,
     )
 
 
-def _build(mask, batch, sq, sk, num_heads, convention, checks=()) -> VarlenPlan:
+def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) -> VarlenPlan:
     _stats.record_plan_build()
     m4 = canonical_mask(mask, batch_size=batch, num_heads=num_heads, seqlen_q=sq, seqlen_k=sk,
                         convention=convention)
+    as_bool = torch.zeros((), dtype=torch.bool, device=mask.device)
+    if float01_as_bool:
+        # Decide on the device, so the choice costs no sync of its own: a 0/1 mask becomes 0/-inf.
+        as_bool = ((m4 == 0) | (m4 == 1)).all() & (m4 == 1).any()
+        m4 = torch.where(as_bool, torch.where(m4 != 0, 0.0, float("-inf")).to(m4.dtype), m4)
     a = analyze(m4, batch_size=batch, seqlen_q=sq)
     device = mask.device
     nbins = batch * sk
@@ -276,12 +286,9 @@ def _build(mask, batch, sq, sk, num_heads, convention, checks=()) -> VarlenPlan:
     cnt_q = torch.zeros(nbins + 1, dtype=torch.int64, device=device).index_add_(0, bins_q, ones.expand_as(bins_q))
     cnt_k = torch.zeros(nbins + 1, dtype=torch.int64, device=device).index_add_(0, bins_k, ones.expand_as(bins_k))
     aligned = (a.seg_q == a.seg_k).all() if sq == sk else torch.zeros((), dtype=torch.bool, device=device)
-    extra = [c.to(device=device, dtype=torch.int64).reshape(1) for c, _ in checks]
-    host = _host(torch.cat([*extra, a.flags, aligned.to(torch.int64)[None], cnt_q[:nbins], cnt_k[:nbins]]))
-    for flag, (_, message) in zip(host, checks):
-        if flag:
-            raise InputValueError(message)
-    host = host[len(extra):]
+    host = _host(torch.cat([as_bool.to(torch.int64)[None], a.flags, aligned.to(torch.int64)[None],
+                            cnt_q[:nbins], cnt_k[:nbins]]))
+    read_as_bool, host = bool(host[0]), host[1:]
 
     nflags = len(FLAG_NAMES) + 1
     flags = dict(zip(FLAG_NAMES + ("structure",), host[:nflags]))
@@ -294,7 +301,7 @@ def _build(mask, batch, sq, sk, num_heads, convention, checks=()) -> VarlenPlan:
     for name in ("bias", "per_head", "structure"):
         if flags[name]:
             return VarlenPlan(batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=False,
-                              reason=_REASONS[name], device=device)
+                              reason=_REASONS[name], device=device, read_as_bool=read_as_bool)
     aligned = bool(host[nflags])
     hq, hk = host[nflags + 1:nflags + 1 + nbins], host[nflags + 1 + nbins:]
     segs = [i for i in range(nbins) if hk[i]]
@@ -307,8 +314,8 @@ def _build(mask, batch, sq, sk, num_heads, convention, checks=()) -> VarlenPlan:
     seg_bins = _order((cnt_k[:nbins] == 0).to(torch.uint8), len(segs))
     cu_q = _cu(cnt_q[seg_bins].to(torch.int32))
     cu_k = _cu(cnt_k[seg_bins].to(torch.int32))
-    return _make_plan(batch, sq, sk, device, lens_q, lens_k, seg_batch, idx_q, idx_k, cu_q, cu_k,
-                      aligned)
+    plan = _make_plan(batch, sq, sk, device, lens_q, lens_k, seg_batch, idx_q, idx_k, cu_q, cu_k, aligned)
+    return dataclasses.replace(plan, read_as_bool=True) if read_as_bool else plan
 
 
 class _PlanCache:
