@@ -31,7 +31,7 @@ def _installed(name):
 
 @pytest.mark.parametrize("backend", CUDA_BACKENDS)
 @settings(max_examples=40)
-@given(case=cases(dtype=torch.float32, kinds=KINDS, max_s=80, head_dims=(32, 64, 128)),
+@given(case=cases(dtype=torch.float32, kinds=KINDS, max_s=80, head_dims=(16, 32, 64, 96, 128, 256)),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_backend_equals_sdpa_on_cuda(backend, case, dtype):
     if not _installed(backend):
