@@ -60,6 +60,7 @@ def fake_flash(monkeypatch):
         monkeypatch.setattr(b, "SUPPORTED_DEVICES", frozenset({"cpu"}))
         monkeypatch.setattr(b, "SUPPORTED_DTYPES", ALL)
         monkeypatch.setattr(b, "is_installed", lambda: True)
+        monkeypatch.setattr(b, "installed", lambda: True)
     return recs
 
 

@@ -7,6 +7,7 @@ listing why, with the input shapes and dtypes. It never falls back silently.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -38,11 +39,16 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 }
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_class(index: int) -> str:
+    return "cuda_sm90" if torch.cuda.get_device_capability(index) >= (9, 0) else "cuda"
+
+
 def priority(device: torch.device) -> tuple[str, ...]:
     """auto's order for ``device``."""
     if device.type == "cuda":
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        return PRIORITY["cuda_sm90" if torch.cuda.get_device_capability(idx) >= (9, 0) else "cuda"]
+        return PRIORITY[_cuda_class(idx)]
     return PRIORITY.get(device.type, tuple(BACKENDS))
 
 ENV_VAR = "VARLEN_ATTN_BACKEND"
@@ -83,7 +89,7 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
     """Installed backends for a device type, in auto's priority order."""
     device = torch.device(device)
     return [n for n in priority(device)
-            if BACKENDS[n].is_installed() and device.type in BACKENDS[n].SUPPORTED_DEVICES]
+            if BACKENDS[n].installed() and device.type in BACKENDS[n].SUPPORTED_DEVICES]
 
 
 __all__ = ["BACKENDS", "PRIORITY", "Backend", "VarlenInputs", "available_backends", "priority", "select"]

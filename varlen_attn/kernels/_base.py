@@ -64,9 +64,17 @@ class Backend:
     def is_installed(self) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in self.REQUIRES)
 
+    def installed(self) -> bool:
+        """``is_installed()``, asked once per process: selection runs in every attention call,
+        and a module search on sys.path is not free."""
+        cached = self.__dict__.get("_installed")
+        if cached is None:
+            cached = self.__dict__["_installed"] = bool(self.is_installed())
+        return cached
+
     def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
         reasons = []
-        if not self.is_installed():
+        if not self.installed():
             reasons.append(f"not installed (needs {', '.join(self.REQUIRES)})")
         dev = inp.q.device
         if dev.type not in self.SUPPORTED_DEVICES:

@@ -40,7 +40,7 @@ class TorchVarlenBackend(Backend):
 
     def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
         reasons = super().not_supported_reasons(inp)
-        if self.is_installed():
+        if self.installed():
             params = _api()[1]
             if inp.q.shape[1] != inp.k.shape[1] and "enable_gqa" not in params:
                 reasons.append(f"grouped-query attention needs torch >= 2.13 (have {torch.__version__})")
