@@ -50,11 +50,18 @@ def main():
         "unpack only": lambda: va.unpack(qp, plan, "q"),
         "varlen_attn.attention": lambda: va.attention(q, k, v, plan=plan, backend=name),
     }
+    split = kernels.BACKENDS["split_sdpa"]
+    for cut in ("slice", "split"):  # before / after: per-segment slices vs torch.split
+        paths[f"split_sdpa kernel, cut={cut}"] = (lambda c=cut: (setattr(split, "CUT", c),
+                                                               split.forward(inp))[1])
+        paths[f"attention split_sdpa, cut={cut}"] = (lambda c=cut: (setattr(split, "CUT", c),
+                                                                  va.attention(q, k, v, plan=plan, backend="split_sdpa"))[1])
     print(f"{args.shape}, backend {name}, total_q {plan.total_q}, total_k {plan.total_k}")
-    print(f"{'path':<26}{'host ms/iter':>14}{'GPU ms/iter':>13}")
+    print(f"{'path':<36}{'host ms/iter':>14}{'GPU ms/iter':>13}")
     for label, fn in paths.items():
         host, gpu = loop(fn)
-        print(f"{label:<26}{host:>14.3f}{gpu:>13.3f}")
+        print(f"{label:<36}{host:>14.3f}{gpu:>13.3f}")
+    split.CUT = "split"
     from torch.profiler import ProfilerActivity, profile
 
     fn = paths["varlen_attn.attention"]

@@ -26,12 +26,16 @@ class _Gather(torch.autograd.Function):
         return _Scatter.apply(grad, indices, ctx.rows), None
 
 
+def _scatter(y: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
+    out = y.new_zeros((rows,) + tuple(y.shape[1:]))
+    return out.index_copy_(0, indices, y)
+
+
 class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
         ctx.save_for_backward(indices)
-        out = y.new_zeros((rows,) + tuple(y.shape[1:]))
-        return out.index_copy_(0, indices, y)
+        return _scatter(y, indices, rows)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -6,6 +6,8 @@ Needs nothing beyond torch. Each call is unmasked, so SDPA can take its fastest 
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -15,17 +17,29 @@ from ._base import Backend, VarlenInputs, empty_output
 class SplitSdpaBackend(Backend):
     NAME = "split_sdpa"
 
+    # "split" cuts the packed tensors with torch.split, whose backward is one cat; "slice" (the
+    # first version) used one slice per segment, whose backward zero-fills a full-size gradient
+    # and adds it, once per segment and tensor. Kept selectable for the side-by-side benchmark.
+    CUT = "split"
+
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
         p = inp.plan
         gqa = inp.q.shape[1] != inp.k.shape[1]
         outs = []
-        q_off = k_off = 0
-        for lq, lk in zip(p.seqlens_q, p.seqlens_k):
+        if self.CUT == "split":
+            qs = torch.split(inp.q, list(p.seqlens_q))
+            ks = torch.split(inp.k, list(p.seqlens_k))
+            vs = torch.split(inp.v, list(p.seqlens_k))
+        else:
+            cq = [0, *itertools.accumulate(p.seqlens_q)]
+            ck = [0, *itertools.accumulate(p.seqlens_k)]
+            qs = [inp.q[a:b] for a, b in zip(cq, cq[1:])]
+            ks = [inp.k[a:b] for a, b in zip(ck, ck[1:])]
+            vs = [inp.v[a:b] for a, b in zip(ck, ck[1:])]
+        for q, k, v in zip(qs, ks, vs):
+            lq, lk = q.shape[0], k.shape[0]
             # [L, H, D] -> [1, H, L, D], SDPA's layout.
-            q = inp.q[q_off:q_off + lq].transpose(0, 1)[None]
-            k = inp.k[k_off:k_off + lk].transpose(0, 1)[None]
-            v = inp.v[k_off:k_off + lk].transpose(0, 1)[None]
-            q_off, k_off = q_off + lq, k_off + lk
+            q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
             if lk == 0:
                 outs.append(q.new_zeros(lq, q.shape[1], v.shape[-1]))
                 continue
