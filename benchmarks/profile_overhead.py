@@ -56,12 +56,23 @@ def main():
                                                                split.forward(inp))[1])
         paths[f"attention split_sdpa, cut={cut}"] = (lambda c=cut: (setattr(split, "CUT", c),
                                                                   va.attention(q, k, v, plan=plan, backend="split_sdpa"))[1])
+    from varlen_attn import pack as pack_mod
+
+    def with_scatter(mode):
+        def run():
+            pack_mod.SCATTER = mode
+            return va.attention(q, k, v, plan=plan, backend=name)
+        return run
+
+    for mode in ("index_copy", "inverse_gather"):  # before / after for unpack and pack-backward
+        paths[f"attention {name}, scatter={mode}"] = with_scatter(mode)
     print(f"{args.shape}, backend {name}, total_q {plan.total_q}, total_k {plan.total_k}")
     print(f"{'path':<36}{'host ms/iter':>14}{'GPU ms/iter':>13}")
     for label, fn in paths.items():
         host, gpu = loop(fn)
         print(f"{label:<36}{host:>14.3f}{gpu:>13.3f}")
     split.CUT = "split"
+    pack_mod.SCATTER = "inverse_gather"
     from torch.profiler import ProfilerActivity, profile
 
     fn = paths["varlen_attn.attention"]

@@ -85,3 +85,20 @@ def test_pack_unpack_with_plan_is_sync_free_and_exact():
 def test_padding_errors_name_the_argument(call, match):
     with pytest.raises(va.VarlenAttnError, match=match):
         call()
+
+
+@pytest.mark.parametrize("mode", ["index_copy", "inverse_gather"])
+def test_scatter_modes_are_identical(monkeypatch, mode):
+    """unpack and pack's backward give bit-identical results with either scatter implementation."""
+    from varlen_attn import pack as pack_mod
+
+    keep = torch.rand(3, 17, generator=torch.Generator().manual_seed(3)) > 0.4
+    keep[2] = False
+    plan = va.build_plan(keep[:, None, :, None] & keep[:, None, None, :], convention="torch")
+    x = torch.randn(3, 17, 2, 5, dtype=torch.float64, requires_grad=True)
+    monkeypatch.setattr(pack_mod, "SCATTER", mode)
+    out = va.unpack(va.pack(x, plan, "q") * 3, plan, "q")
+    out.backward(torch.ones_like(out))
+    valid = (keep & keep.any(-1, keepdim=True))[..., None, None]
+    assert torch.equal(out, torch.where(valid, 3 * x.detach(), 0.0))
+    assert torch.equal(x.grad, torch.where(valid, 3.0, 0.0).expand_as(x))

@@ -13,53 +13,65 @@ from ._errors import InputValueError
 from .plan import VarlenPlan
 
 
+# How a scatter is done. "inverse_gather": out = y[inverse] then zero the padding rows, an
+# index_select (a fast gather) plus a fill of only the padding rows; "index_copy": zeros of the
+# full size, then index_copy_ (a slower scatter kernel, and a full zero-fill). Selectable for the
+# side-by-side benchmark; results are identical.
+SCATTER = "inverse_gather"
+
+
+def _scatter(y, indices, rows, inverse=None, padding=None):
+    if inverse is None or SCATTER != "inverse_gather" or y.shape[0] == 0:
+        out = y.new_zeros((rows,) + tuple(y.shape[1:]))
+        return out.index_copy_(0, indices, y)
+    out = y.index_select(0, inverse)
+    return out.index_fill_(0, padding, 0) if padding.numel() else out
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(indices)
+    def forward(ctx, x, indices, inverse=None, padding=None):
+        ctx.save_for_backward(indices, inverse, padding)
         ctx.rows = x.shape[0]
         return x.index_select(0, indices)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (indices,) = ctx.saved_tensors
-        return _Scatter.apply(grad, indices, ctx.rows), None
-
-
-def _scatter(y: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
-    out = y.new_zeros((rows,) + tuple(y.shape[1:]))
-    return out.index_copy_(0, indices, y)
+    def backward(ctx, grad):
+        indices, inverse, padding = ctx.saved_tensors
+        return _Scatter.apply(grad, indices, ctx.rows, inverse, padding), None, None, None
 
 
 class _Scatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
-        ctx.save_for_backward(indices)
-        return _scatter(y, indices, rows)
+    def forward(ctx, y, indices, rows, inverse=None, padding=None):
+        ctx.save_for_backward(indices, inverse, padding)
+        return _scatter(y, indices, rows, inverse, padding)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (indices,) = ctx.saved_tensors
-        return _Gather.apply(grad, indices), None, None
+    def backward(ctx, grad):
+        indices, inverse, padding = ctx.saved_tensors
+        return _Gather.apply(grad, indices, inverse, padding), None, None, None, None
 
 
-def gather_rows(x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """``x[indices]`` along dim 0 for unique indices, with exact autograd."""
-    return _Gather.apply(x, indices)
+def gather_rows(x: torch.Tensor, indices: torch.Tensor, inverse=None, padding=None) -> torch.Tensor:
+    """``x[indices]`` along dim 0 for unique indices, with exact autograd. ``inverse`` (row ->
+    packed position, any value for padding rows) and ``padding`` (rows not in ``indices``) make
+    the backward scatter a gather."""
+    return _Gather.apply(x, indices, inverse, padding)
 
 
-def scatter_rows(y: torch.Tensor, indices: torch.Tensor, rows: int) -> torch.Tensor:
+def scatter_rows(y: torch.Tensor, indices: torch.Tensor, rows: int, inverse=None, padding=None) -> torch.Tensor:
     """Zeros of ``[rows, ...]`` with ``out[indices] = y``, for unique indices, exact autograd."""
-    return _Scatter.apply(y, indices, rows)
+    return _Scatter.apply(y, indices, rows, inverse, padding)
 
 
 def _side(plan: VarlenPlan, which: str):
     if not plan.packable:
         raise InputValueError(f"plan is not packable ({plan.reason}); there is nothing to pack")
     if which == "q":
-        return plan.indices_q, plan.seqlen_q, plan.q_identity
+        return plan.indices_q, plan.seqlen_q, plan.q_identity, plan.inverse_q, plan.padding_q
     if which == "k":
-        return plan.indices_k, plan.seqlen_k, plan.k_identity
+        return plan.indices_k, plan.seqlen_k, plan.k_identity, plan.inverse_k, plan.padding_k
     raise InputValueError(f"which must be 'q' (queries) or 'k' (keys and values), got {which!r}")
 
 
@@ -67,25 +79,25 @@ def pack(x: torch.Tensor, plan: VarlenPlan, which: str = "q") -> torch.Tensor:
     """``[B, S, ...]`` -> ``[total, ...]``: the valid tokens of the plan's queries (``which="q"``)
     or keys/values (``"k"``), in packed order. Equivalent PyTorch:
     ``x.flatten(0, 1)[plan.indices_q]``. No host sync."""
-    indices, seqlen, identity = _side(plan, which)
+    indices, seqlen, identity, inverse, padding = _side(plan, which)
     if x.dim() < 2 or x.shape[0] != plan.batch_size or x.shape[1] != seqlen:
         raise InputValueError(
             f"x must be [B, S, ...] with B={plan.batch_size}, S={seqlen} (the plan's "
             f"{'query' if which == 'q' else 'key'} shape), got shape {tuple(x.shape)}"
         )
     flat = x.flatten(0, 1)
-    return flat if identity else gather_rows(flat, indices)
+    return flat if identity else gather_rows(flat, indices, inverse, padding)
 
 
 def unpack(y: torch.Tensor, plan: VarlenPlan, which: str = "q") -> torch.Tensor:
     """``[total, ...]`` -> ``[B, S, ...]``, zeros at positions outside every segment (for
     queries: rows that attend nothing, where SDPA returns zeros). No host sync."""
-    indices, seqlen, identity = _side(plan, which)
+    indices, seqlen, identity, inverse, padding = _side(plan, which)
     total = plan.total_q if which == "q" else plan.total_k
     if y.dim() < 1 or y.shape[0] != total:
         raise InputValueError(
             f"y must be packed [total, ...] with total={total}, got shape {tuple(y.shape)}"
         )
     rows = plan.batch_size * seqlen
-    flat = y if identity else scatter_rows(y, indices, rows)
+    flat = y if identity else scatter_rows(y, indices, rows, inverse, padding)
     return flat.reshape((plan.batch_size, seqlen) + tuple(y.shape[1:]))

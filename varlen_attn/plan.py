@@ -61,6 +61,8 @@ class VarlenPlan:
             (self-attention), so causal masking by rank within a segment equals causal by position.
         read_as_bool: True when a float 0/1 mask was read as boolean (``float01_as_bool``);
             an SDPA fallback must then use ``mask != 0``.
+        inverse_q/k, padding_q/k: padded position -> packed row (0 for padding) and the padding
+            positions, int64 on the device, so unpacking is a gather plus a fill of the padding.
     """
 
     batch_size: int
@@ -84,6 +86,10 @@ class VarlenPlan:
     k_identity: bool = False
     self_aligned: bool = False
     read_as_bool: bool = False
+    inverse_q: torch.Tensor | None = None
+    inverse_k: torch.Tensor | None = None
+    padding_q: torch.Tensor | None = None
+    padding_k: torch.Tensor | None = None
 
     @property
     def num_segments(self) -> int:
@@ -249,6 +255,8 @@ def _to_device(values: list[int], dtype: torch.dtype, device: torch.device) -> t
 def _make_plan(batch, sq, sk, device, lens_q, lens_k, seg_batch, idx_q, idx_k,
                cu_q=None, cu_k=None, aligned=None) -> VarlenPlan:
     total_q, total_k = sum(lens_q), sum(lens_k)
+    inv_q, pad_q = _inverse(idx_q, batch * sq, total_q)
+    inv_k, pad_k = _inverse(idx_k, batch * sk, total_k)
     if cu_q is None:
         cu_q = _cu(_to_device(list(lens_q), torch.int32, device))
         cu_k = _cu(_to_device(list(lens_k), torch.int32, device))
@@ -263,7 +271,16 @@ def _make_plan(batch, sq, sk, device, lens_q, lens_k, seg_batch, idx_q, idx_k,
         q_identity=one_per_batch and total_q == batch * sq,
         k_identity=one_per_batch and total_k == batch * sk,
         self_aligned=(sq == sk and lens_q == lens_k) if aligned is None else aligned,
+        inverse_q=inv_q, inverse_k=inv_k, padding_q=pad_q, padding_k=pad_k,
     )
+
+
+def _inverse(indices: torch.Tensor, rows: int, total: int):
+    """Row -> packed position (0 where padding) and the padding rows; device work, no sync."""
+    inverse = torch.zeros(rows, dtype=torch.int64, device=indices.device)
+    inverse.index_copy_(0, indices, torch.arange(total, dtype=torch.int64, device=indices.device))
+    valid = torch.zeros(rows, dtype=torch.uint8, device=indices.device).index_fill_(0, indices, 1)
+    return inverse, _order(valid, rows - total)
 
 
 def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) -> VarlenPlan:
