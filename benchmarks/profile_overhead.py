@@ -56,7 +56,9 @@ def main():
                                                                split.forward(inp))[1])
         paths[f"attention split_sdpa, cut={cut}"] = (lambda c=cut: (setattr(split, "CUT", c),
                                                                   va.attention(q, k, v, plan=plan, backend="split_sdpa"))[1])
-    from varlen_attn import pack as pack_mod
+    import importlib
+
+    pack_mod = importlib.import_module("varlen_attn.pack")
 
     def with_scatter(mode):
         def run():
