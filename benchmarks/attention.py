@@ -203,7 +203,14 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
+    ap.add_argument("--from-json", default=None, help="re-print and chart a saved run (no GPU needed)")
     args = ap.parse_args()
+    if args.from_json:
+        saved = json.load(open(args.from_json))
+        report(saved["results"], saved["meta"])
+        if args.png:
+            chart(saved["results"], args.png)
+        return
     results = [run_shape(s) for s in args.shapes.split(",")]
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
     try:
