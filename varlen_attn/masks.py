@@ -36,7 +36,7 @@ DROP_GAP = 1000.0
 """A float mask value this far below its row's maximum drops the key (exp(-1000) == 0.0)."""
 
 # Order of the device flags that decide packability; the plan layer turns them into reasons.
-FLAG_NAMES = ("nan", "posinf", "bias", "per_head")
+FLAG_NAMES = ("nan", "posinf", "bias", "per_head", "structure")
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,7 +45,7 @@ class MaskAnalysis:
 
     seg_q: torch.Tensor  # [B, Sq] int64, -1 = query attends nothing
     seg_k: torch.Tensor  # [B, Sk] int64, -1 = key attended by no query
-    flags: torch.Tensor  # [len(FLAG_NAMES) + 1] int64; last: 1 if keep != segment structure
+    flags: torch.Tensor  # [len(FLAG_NAMES)] int64, in FLAG_NAMES order
     batch_size: int
     seqlen_q: int
     seqlen_k: int

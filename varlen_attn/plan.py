@@ -307,8 +307,8 @@ def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) ->
                             cnt_q[:nbins], cnt_k[:nbins]]))
     read_as_bool, host = bool(host[0]), host[1:]
 
-    nflags = len(FLAG_NAMES) + 1
-    flags = dict(zip(FLAG_NAMES + ("structure",), host[:nflags]))
+    nflags = len(FLAG_NAMES)
+    flags = dict(zip(FLAG_NAMES, host[:nflags]))
     if flags["nan"] or flags["posinf"]:
         what = "NaN" if flags["nan"] else "+inf"
         raise InputValueError(
