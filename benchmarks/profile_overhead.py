@@ -68,6 +68,15 @@ def main():
 
     for mode in ("index_copy", "inverse_gather"):  # before / after for unpack and pack-backward
         paths[f"attention {name}, scatter={mode}"] = with_scatter(mode)
+
+    def with_pack(mode):
+        def run():
+            pack_mod.PACK_QKV = mode
+            return va.attention(q, k, v, plan=plan, backend=name)
+        return run
+
+    for mode in ("separate", "fused"):  # before / after: one autograd node for q, k, v
+        paths[f"attention {name}, pack_qkv={mode}"] = with_pack(mode)
     print(f"{args.shape}, backend {name}, total_q {plan.total_q}, total_k {plan.total_k}")
     print(f"{'path':<36}{'host ms/iter':>14}{'GPU ms/iter':>13}")
     for label, fn in paths.items():
@@ -75,6 +84,7 @@ def main():
         print(f"{label:<36}{host:>14.3f}{gpu:>13.3f}")
     split.CUT = "split"
     pack_mod.SCATTER = "inverse_gather"
+    pack_mod.PACK_QKV = "fused"
     from torch.profiler import ProfilerActivity, profile
 
     fn = paths["varlen_attn.attention"]

@@ -19,7 +19,7 @@ from ._errors import BackendUnavailableError, InputTypeError, InputValueError, N
 from .kernels import SDPA, VarlenInputs, requested_backend, select
 from .kernels._base import empty_output
 from .masks import canonical_mask
-from .pack import pack, unpack
+from .pack import pack_qkv, unpack
 from .plan import VarlenPlan, build_plan, full_plan
 
 
@@ -120,8 +120,9 @@ def _attend(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, str
         return _masked_sdpa(q, k, v, mask4, dropout_p, causal, scale, gqa, None)
     if q.device != plan.device:
         raise InputValueError(f"plan was built on {plan.device}, query is on {q.device}")
+    qp, kp, vp = pack_qkv(q, k, v, plan)
     inp = VarlenInputs(
-        q=pack(q, plan, "q"), k=pack(k, plan, "k"), v=pack(v, plan, "k"), plan=plan,
+        q=qp, k=kp, v=vp, plan=plan,
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
         causal=causal, dropout_p=float(dropout_p),
     )

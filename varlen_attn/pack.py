@@ -53,6 +53,51 @@ class _Scatter(torch.autograd.Function):
         return _Gather.apply(grad, indices, inverse, padding), None, None, None, None
 
 
+class _PackQKV(torch.autograd.Function):
+    """q, k, v gathered in one autograd node (and their gradients scattered in one backward):
+    fewer Python-level autograd calls per attention layer, the same kernels."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_side, k_side):
+        ctx.q_side, ctx.k_side = q_side, k_side
+        ctx.rows = (q.shape[0], k.shape[0])
+        qi, ki = q_side[0], k_side[0]
+        return (q if qi is None else q.index_select(0, qi), k if ki is None else k.index_select(0, ki),
+                v if ki is None else v.index_select(0, ki))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        (qi, qinv, qpad), (ki, kinv, kpad) = ctx.q_side, ctx.k_side
+        rq, rk = ctx.rows
+        dq = dq if qi is None else _scatter(dq, qi, rq, qinv, qpad)
+        dk = dk if ki is None else _scatter(dk, ki, rk, kinv, kpad)
+        dv = dv if ki is None else _scatter(dv, ki, rk, kinv, kpad)
+        return dq, dk, dv, None, None
+
+
+# Pack q, k, v in one autograd node ("fused") or one node each ("separate", the first version).
+PACK_QKV = "fused"
+
+
+def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan):
+    """``(pack(q, plan, "q"), pack(k, plan, "k"), pack(v, plan, "k"))`` in one autograd node.
+    The backward is first-order only (use :func:`pack` for higher-order gradients)."""
+    if PACK_QKV != "fused":
+        return pack(q, plan, "q"), pack(k, plan, "k"), pack(v, plan, "k")
+    sides = []
+    for x, which in ((q, "q"), (k, "k")):
+        indices, seqlen, identity, inverse, padding = _side(plan, which)
+        if x.dim() < 2 or x.shape[0] != plan.batch_size or x.shape[1] != seqlen:
+            raise InputValueError(
+                f"{'query' if which == 'q' else 'key'} must be [B, S, ...] with B={plan.batch_size}, "
+                f"S={seqlen}, got shape {tuple(x.shape)}"
+            )
+        sides.append((None, None, None) if identity else (indices, inverse, padding))
+    if v.shape[:2] != k.shape[:2]:
+        raise InputValueError(f"value must match key's [B, S], got {tuple(v.shape)} and {tuple(k.shape)}")
+    return _PackQKV.apply(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), sides[0], sides[1])
+
+
 def gather_rows(x: torch.Tensor, indices: torch.Tensor, inverse=None, padding=None) -> torch.Tensor:
     """``x[indices]`` along dim 0 for unique indices, with exact autograd. ``inverse`` (row ->
     packed position, any value for padding rows) and ``padding`` (rows not in ``indices``) make
