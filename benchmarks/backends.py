@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -21,22 +23,13 @@ import varlen_attn as va
 from varlen_attn import kernels
 from varlen_attn.plan import _CACHE
 
+sys.path.insert(0, str(Path(__file__).parent))
+from attention import timeit  # noqa: E402
 
-def bench(fn, backward: bool, warmup=5, reps=30):
-    """Median ms of fn() (and of its backward when asked), by CUDA events."""
-    times = []
-    for i in range(warmup + reps):
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        out = fn()
-        if backward:
-            out.backward(torch.ones_like(out))
-        end.record()
-        torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+
+def bench(fn, backward: bool):
+    """Median ms by CUDA events (the timing of benchmarks/attention.py, 5 warm-ups, 30 reps)."""
+    return timeit(fn, backward, warmup=5, reps=30)
 
 
 def run_shape(name, text, image, lengths, h=24, d=128, dtype=torch.bfloat16):

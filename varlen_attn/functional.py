@@ -97,11 +97,16 @@ def _masked_sdpa(q, k, v, mask4, dropout_p, causal, scale, gqa, reason):
     return out.transpose(1, 2)
 
 
+def _sdpa_mask(plan: VarlenPlan, mask4: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask as SDPA must see it. Converted only on the SDPA paths: the packed path never
+    reads the mask, so a float 0/1 mask read as boolean costs nothing per packed layer."""
+    return mask4 != 0 if plan.read_as_bool and mask4 is not None else mask4
+
+
 def _attend(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, strict):
-    """Core on ``[B, S, H, D]`` tensors: the varlen path, or masked SDPA with the reason."""
-    name = requested_backend(backend)
-    if plan.read_as_bool and mask4 is not None:
-        mask4 = mask4 != 0
+    """Core on ``[B, S, H, D]`` tensors: the varlen path, or masked SDPA with the reason.
+    ``backend`` is already resolved by the caller (``requested_backend``)."""
+    name = backend
     reason = None
     if not plan.packable:
         reason = plan.reason
@@ -114,10 +119,10 @@ def _attend(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, str
             raise BackendUnavailableError(f"backend {name!r} needs a packable mask: {reason}")
         if mask4 is None and not plan.packable:
             raise InputValueError(f"plan is not packable ({reason}); pass attn_mask so SDPA can run")
-        return _masked_sdpa(q, k, v, mask4, dropout_p, causal, scale, gqa,
+        return _masked_sdpa(q, k, v, _sdpa_mask(plan, mask4), dropout_p, causal, scale, gqa,
                             reason if name == "auto" else None)
     if name == SDPA:
-        return _masked_sdpa(q, k, v, mask4, dropout_p, causal, scale, gqa, None)
+        return _masked_sdpa(q, k, v, _sdpa_mask(plan, mask4), dropout_p, causal, scale, gqa, None)
     if q.device != plan.device:
         raise InputValueError(f"plan was built on {plan.device}, query is on {q.device}")
     qp, kp, vp = pack_qkv(q, k, v, plan)

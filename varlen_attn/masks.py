@@ -46,9 +46,6 @@ class MaskAnalysis:
     seg_q: torch.Tensor  # [B, Sq] int64, -1 = query attends nothing
     seg_k: torch.Tensor  # [B, Sk] int64, -1 = key attended by no query
     flags: torch.Tensor  # [len(FLAG_NAMES)] int64, in FLAG_NAMES order
-    batch_size: int
-    seqlen_q: int
-    seqlen_k: int
 
 
 def canonical_mask(
@@ -147,4 +144,4 @@ def analyze(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int) -> MaskAnaly
     seg_q = seg_row.expand(batch_size, seqlen_q)
     seg_k = seg_col.expand(batch_size, seqlen_k)
     flags = torch.stack([nan, posinf, bias, per_head, structure]).to(torch.int64)
-    return MaskAnalysis(seg_q, seg_k, flags, batch_size, seqlen_q, seqlen_k)
+    return MaskAnalysis(seg_q, seg_k, flags)

@@ -32,7 +32,9 @@ class _FlashBackend(Backend):
         except (ImportError, ValueError):
             return False
 
-    def _call(self, inp: VarlenInputs, **extra):
+    def forward(self, inp: VarlenInputs) -> torch.Tensor:
+        # Only FA2 takes dropout; the others refuse it in not_supported_reasons.
+        extra = {"dropout_p": inp.dropout_p} if self.SUPPORTS_DROPOUT else {}
         p = inp.plan
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inp.q, inp.k, inp.v))
         # Keywords: FA3/FA4 put seqused_q/k between cu_seqlens and max_seqlen positionally.
@@ -52,9 +54,6 @@ class FlashAttn2Backend(_FlashBackend):
     REQUIRES = (MODULE,)
     MIN_COMPUTE_CAPABILITY = (8, 0)
 
-    def forward(self, inp: VarlenInputs) -> torch.Tensor:
-        return self._call(inp, dropout_p=inp.dropout_p)
-
 
 class FlashAttn3Backend(_FlashBackend):
     NAME = "flash_attn_3"
@@ -62,9 +61,6 @@ class FlashAttn3Backend(_FlashBackend):
     REQUIRES = ("flash_attn_interface",)
     MIN_COMPUTE_CAPABILITY = (9, 0)
     SUPPORTS_DROPOUT = False
-
-    def forward(self, inp: VarlenInputs) -> torch.Tensor:
-        return self._call(inp)
 
 
 class FlashAttn4Backend(_FlashBackend):
@@ -88,6 +84,3 @@ class FlashAttn4Backend(_FlashBackend):
         if 0 in inp.plan.seqlens_q or 0 in inp.plan.seqlens_k:
             reasons.append("zero-length segment in the plan")
         return reasons
-
-    def forward(self, inp: VarlenInputs) -> torch.Tensor:
-        return self._call(inp)
