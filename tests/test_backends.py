@@ -51,8 +51,11 @@ def fake_flash(monkeypatch):
     fa3.flash_attn_varlen_func = recs["flash_attn_3"]
     cute = types.ModuleType("flash_attn.cute")
     cute.flash_attn_varlen_func = recs["flash_attn_4"]
+    cute.__path__ = []
+    iface = fake_fa4_interface(recs["flash_attn_4"])
     for name, mod in (("flash_attn", parent), ("flash_attn.flash_attn_interface", fa2),
-                      ("flash_attn_interface", fa3), ("flash_attn.cute", cute)):
+                      ("flash_attn_interface", fa3), ("flash_attn.cute", cute),
+                      ("flash_attn.cute.interface", iface)):
         mod.__spec__ = importlib_spec(name)
         monkeypatch.setitem(sys.modules, name, mod)
     for name in recs:
@@ -62,6 +65,35 @@ def fake_flash(monkeypatch):
         monkeypatch.setattr(b, "is_installed", lambda: True)
         monkeypatch.setattr(b, "installed", lambda: True)
     return recs
+
+
+def fake_fa4_interface(recorder):
+    """flash_attn.cute.interface's forward and backward entry points (what the fused path calls),
+    over kernels_ref: forward returns (out, lse, ...); backward differentiates kernels_ref."""
+    iface = types.ModuleType("flash_attn.cute.interface")
+
+    def _flash_attn_fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+                        causal, return_lse):
+        assert return_lse and cu_seqlens_q.dtype == torch.int32 and type(max_seqlen_q) is int
+        recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "fwd"})
+        out, lse, _ = kernels_ref.flash_attn_varlen_func(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
+            causal=causal, return_attn_probs=True)
+        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
+        return out, lse, None, None, None
+
+    def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, *, cu_seqlens_q, cu_seqlens_k,
+                        max_seqlen_q, max_seqlen_k):
+        assert out.shape == dout.shape == q.shape[:2] + v.shape[-1:] and lse.shape == (q.shape[1], q.shape[0])
+        recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "bwd"})
+        qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+        with torch.enable_grad():
+            o = kernels_ref.flash_attn_varlen_func(qd, kd, vd, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
+            return torch.autograd.grad(o, (qd, kd, vd), dout)
+
+    iface._flash_attn_fwd, iface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
+    return iface
 
 
 def importlib_spec(name):
@@ -92,6 +124,25 @@ def test_flash_adapters_equal_sdpa(fake_flash, case, name):
     # No call at all only when every query is masked (nothing for a kernel to do).
     assert calls or (case.mask is not None and not case.keep.any())
     assert all(c["softmax_scale"] == case.q.shape[-1] ** -0.5 for c in calls)
+    if name == "flash_attn_4" and calls:  # FA4 runs fused: its own forward and backward entries
+        assert [c["entry"] for c in calls] == ["fwd", "bwd"]
+
+
+def test_fused_equals_composed(fake_flash, monkeypatch):
+    """FA4's one-node path (varlen_attn.fused) gives the composed path's results exactly."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(3, 9, 2, 32, dtype=torch.float64, generator=g) for _ in range(3))
+    keep = torch.tensor([[1] * 9, [0, 1, 1, 0, 1, 1, 1, 1, 0], [0] * 9], dtype=torch.bool)
+    for mask in (keep, keep[:, None, :, None] & keep[:, None, None, :]):
+        results = []
+        for fused in (True, False):
+            monkeypatch.setattr(va.functional, "FUSED", fused)
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            out = va.attention(qq, kk, vv, mask, backend="flash_attn_4")
+            (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out).sin()).sum().backward()
+            results.append([out.detach(), qq.grad, kk.grad, vv.grad])
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
 
 
 def test_flash_adapters_pass_causal_and_dropout(fake_flash):

@@ -18,13 +18,32 @@ _fallbacks: Counter[str] = Counter()
 _counts: Counter[str] = Counter()
 
 
+_local = threading.local()
+
+
+class quiet:
+    """Within the block, this thread's attention calls are not counted: a backward that
+    recomputes a forward (varlen_attn.compiled) would otherwise count it twice."""
+
+    def __enter__(self):
+        _local.quiet = getattr(_local, "quiet", 0) + 1
+
+    def __exit__(self, *exc):
+        _local.quiet -= 1
+        return False
+
+
 def record_backend(name: str) -> None:
+    if getattr(_local, "quiet", 0):
+        return
     with _lock:
         _backends[name] += 1
     logger.debug("attention ran on backend %r", name)
 
 
 def record_fallback(reason: str) -> None:
+    if getattr(_local, "quiet", 0):
+        return
     with _lock:
         first = reason not in _fallbacks
         _fallbacks[reason] += 1

@@ -11,6 +11,8 @@ otherwise masked SDPA, with the reason recorded in :func:`varlen_attn.stats`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -18,9 +20,17 @@ from . import _stats
 from ._errors import BackendUnavailableError, InputTypeError, InputValueError, NotPackableError, describe
 from .kernels import SDPA, VarlenInputs, requested_backend, select
 from .kernels._base import empty_output
+from .compiled import compiled_attend
+from .fused import FusedAttention
 from .masks import canonical_mask
 from .pack import pack_qkv, unpack
 from .plan import VarlenPlan, build_plan, full_plan
+
+
+# Backends with their own backward run pack + kernel + unpack as one autograd node
+# (varlen_attn.fused); False composes pack_qkv, the backend's autograd forward and unpack (the
+# first version). Selectable for the side-by-side benchmark; results are identical.
+FUSED = True
 
 
 def _check_qkv(query, key, value, enable_gqa: bool, layout: str):
@@ -103,9 +113,11 @@ def _sdpa_mask(plan: VarlenPlan, mask4: torch.Tensor | None) -> torch.Tensor | N
     return mask4 != 0 if plan.read_as_bool and mask4 is not None else mask4
 
 
-def _attend(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, strict):
-    """Core on ``[B, S, H, D]`` tensors: the varlen path, or masked SDPA with the reason.
-    ``backend`` is already resolved by the caller (``requested_backend``)."""
+def _route(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, strict):
+    """Where a call goes: ``(impl, None, probe)`` for a varlen backend, ``(None, reason, None)``
+    for masked SDPA (``reason`` None when SDPA was asked for). Raises where the caller's choice
+    cannot be honoured. ``probe`` holds per-token views (selection reads heads, head dim,
+    dtype and device only), the plan and the options."""
     name = backend
     reason = None
     if not plan.packable:
@@ -119,20 +131,35 @@ def _attend(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, str
             raise BackendUnavailableError(f"backend {name!r} needs a packable mask: {reason}")
         if mask4 is None and not plan.packable:
             raise InputValueError(f"plan is not packable ({reason}); pass attn_mask so SDPA can run")
-        return _masked_sdpa(q, k, v, _sdpa_mask(plan, mask4), dropout_p, causal, scale, gqa,
-                            reason if name == "auto" else None)
+        return None, (reason if name == "auto" else None), None
     if name == SDPA:
-        return _masked_sdpa(q, k, v, _sdpa_mask(plan, mask4), dropout_p, causal, scale, gqa, None)
+        return None, None, None
     if q.device != plan.device:
         raise InputValueError(f"plan was built on {plan.device}, query is on {q.device}")
-    qp, kp, vp = pack_qkv(q, k, v, plan)
-    inp = VarlenInputs(
-        q=qp, k=kp, v=vp, plan=plan,
+    probe = VarlenInputs(
+        q=q.select(1, 0), k=k.select(1, 0), v=v.select(1, 0), plan=plan,
         scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
         causal=causal, dropout_p=float(dropout_p),
     )
-    impl = select(inp, name)
+    return select(probe, name), None, probe
+
+
+def _fusable(impl, plan, dropout_p) -> bool:
+    return FUSED and impl.NATIVE_BACKWARD and plan.total_q > 0 and not dropout_p
+
+
+def _attend(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, strict):
+    """Core on ``[B, S, H, D]`` tensors: the varlen path, or masked SDPA with the reason.
+    ``backend`` is already resolved by the caller (``requested_backend``)."""
+    impl, reason, probe = _route(q, k, v, plan, mask4, dropout_p=dropout_p, causal=causal, scale=scale,
+                                 gqa=gqa, backend=backend, strict=strict)
+    if impl is None:
+        return _masked_sdpa(q, k, v, _sdpa_mask(plan, mask4), dropout_p, causal, scale, gqa, reason)
     _stats.record_backend(impl.NAME)
+    if _fusable(impl, plan, dropout_p):
+        return FusedAttention.apply(q, k, v, plan, impl, probe.scale, causal)
+    qp, kp, vp = pack_qkv(q, k, v, plan)
+    inp = dataclasses.replace(probe, q=qp, k=kp, v=vp)
     # Every query masked (caption dropout on a whole batch): nothing for a kernel to do.
     out = empty_output(inp) if plan.total_q == 0 else impl.forward(inp)
     return unpack(out, plan, "q")
@@ -174,8 +201,13 @@ def scaled_dot_product_attention(
     _check_options(dropout_p, scale)
     if attn_mask is not None and is_causal:
         raise InputValueError("attn_mask and is_causal=True cannot both be set (as in SDPA), got both")
-    name = requested_backend(backend)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    if torch.compiler.is_compiling() and (attn_mask is not None or plan is not None or
+                                          backend not in (None, "auto", SDPA)):
+        out = compiled_attend(q, k, v, attn_mask, plan=plan, convention="torch", dropout_p=dropout_p,
+                              causal=is_causal, scale=scale, gqa=enable_gqa, backend=backend, strict=strict)
+        return out.transpose(1, 2)
+    name = requested_backend(backend)
     if attn_mask is None:
         if name in ("auto", SDPA) and not strict:
             _stats.record_backend(SDPA)
@@ -234,6 +266,18 @@ def attention(
     """
     b, sq, sk, hq, _ = _check_qkv(query, key, value, enable_gqa, "bshd")
     _check_options(dropout_p, scale)
+    if plan is not None and not isinstance(plan, VarlenPlan):
+        raise InputTypeError(f"plan must be a VarlenPlan or None, got {describe(plan)}")
+    if plan is not None and (plan.batch_size, plan.seqlen_q, plan.seqlen_k) != (b, sq, sk):
+        raise InputValueError(
+            f"plan was built for B={plan.batch_size}, Sq={plan.seqlen_q}, Sk={plan.seqlen_k}, "
+            f"got query {tuple(query.shape)} and key {tuple(key.shape)} ([B, S, H, D])"
+        )
+    if torch.compiler.is_compiling() and (attn_mask is not None or plan is not None or
+                                          backend not in (None, "auto", SDPA)):
+        return compiled_attend(query, key, value, attn_mask, plan=plan, convention="model",
+                               dropout_p=dropout_p, causal=is_causal, scale=scale, gqa=enable_gqa,
+                               backend=backend, strict=strict)
     name = requested_backend(backend)
     mask4 = None
     if attn_mask is not None:
@@ -243,13 +287,6 @@ def attention(
             return _masked_sdpa(query, key, value, None, dropout_p, is_causal, scale, enable_gqa, None)
         plan = (full_plan(b, sq, sk, query.device) if attn_mask is None else
                 build_plan(attn_mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=hq))
-    elif not isinstance(plan, VarlenPlan):
-        raise InputTypeError(f"plan must be a VarlenPlan or None, got {describe(plan)}")
-    elif (plan.batch_size, plan.seqlen_q, plan.seqlen_k) != (b, sq, sk):
-        raise InputValueError(
-            f"plan was built for B={plan.batch_size}, Sq={plan.seqlen_q}, Sk={plan.seqlen_k}, "
-            f"got query {tuple(query.shape)} and key {tuple(key.shape)} ([B, S, H, D])"
-        )
     return _attend(query, key, value, plan, mask4, dropout_p=dropout_p, causal=is_causal,
                    scale=scale, gqa=enable_gqa, backend=name, strict=strict)
 

@@ -134,19 +134,24 @@ class ForwardContext:
                                                   scale=scale, enable_gqa=enable_gqa)
         plan = None
         if isinstance(attn_mask, torch.Tensor) and query.dim() == 4:
-            b, h, sq, sk = query.shape[0], query.shape[1], query.shape[2], key.shape[2]
-            k = self.key_of(attn_mask)
-            pkey = None if k is None else (k, b, h, sq, sk, str(query.device))
-            plan = self.plans.get(pkey) if pkey is not None else None
-            if plan is None:
-                plan = build_plan(attn_mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=h,
-                                  convention="torch", float01_as_bool=self.float_mask != "bias")
-                if pkey is not None:
-                    self.plans[pkey] = plan
-            if plan.read_as_bool:
-                _float_mask_read_as_bool(self.float_mask, attn_mask)
+            plan = self.plan_for(attn_mask, query.shape[0], query.shape[1], query.shape[2], key.shape[2])
         return scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                             enable_gqa, backend=self.backend, strict=self.strict, plan=plan)
+
+    def plan_for(self, attn_mask: torch.Tensor, b: int, h: int, sq: int, sk: int):
+        """The plan of a mask reaching attention: shared by every mask with the same derivation
+        key in this forward, else cached by mask object (built, one sync, when new)."""
+        k = self.key_of(attn_mask)
+        pkey = None if k is None else (k, b, h, sq, sk, str(attn_mask.device))
+        plan = self.plans.get(pkey) if pkey is not None else None
+        if plan is None:
+            plan = build_plan(attn_mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=h,
+                              convention="torch", float01_as_bool=self.float_mask != "bias")
+            if pkey is not None:
+                self.plans[pkey] = plan
+        if plan.read_as_bool:
+            _float_mask_read_as_bool(self.float_mask, attn_mask)
+        return plan
 
     # -- activation ------------------------------------------------------------------------
     def active(self):
@@ -190,6 +195,17 @@ class _VarlenMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():
+            # Traced by dynamo: no derivation tracking (it would break the graph). SDPA goes to
+            # the custom op, which finds the plan at run time (varlen_attn.compiled).
+            if func is F.scaled_dot_product_attention:
+                return _compiled_sdpa(self.ctx, *args, **kwargs)
+            name = getattr(func, "__name__", "")
+            if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
+                # A Tensor method as a method call: dynamo cannot inline Python-level methods
+                # such as Tensor.unflatten (they call super()), but traces method calls natively.
+                return getattr(args[0], name)(*args[1:], **kwargs)
+            return func(*args, **kwargs)
         if func is F.scaled_dot_product_attention:
             return self.ctx.sdpa(*args, **kwargs)
         target = args[0] if args and isinstance(args[0], torch.Tensor) and _in_place(func) else None
@@ -208,6 +224,20 @@ class _VarlenMode(TorchFunctionMode):
             if key is not None:
                 self.ctx.mark(out, key)
         return out
+
+
+def _compiled_sdpa(ctx, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False):
+    if attn_mask is None or query.dim() != 4:
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p,
+                                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+    from .compiled import compiled_attend
+
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = compiled_attend(q, k, v, attn_mask, plan=None, convention="torch", dropout_p=dropout_p,
+                          causal=is_causal, scale=scale, gqa=enable_gqa, backend=ctx.backend,
+                          strict=ctx.strict, float_mask=ctx.float_mask)
+    return out.transpose(1, 2)
 
 
 class _Activation:
@@ -298,6 +328,11 @@ def enable_varlen(
 
     @functools.wraps(orig_forward)
     def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            # The whole model is being traced: no per-forward bookkeeping (plans are found at run
+            # time inside the custom op); only SDPA is redirected.
+            with _VarlenMode(ForwardContext(state.backend, state.strict, state.float_mask)):
+                return orig_forward(*args, **kwargs)
         return _run_forward(model, state, orig_forward, args, kwargs)
 
     model.forward = forward

@@ -13,6 +13,7 @@ is handed the same mask tensor gets the same plan without rebuilding it.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -90,6 +91,14 @@ class VarlenPlan:
     inverse_k: torch.Tensor | None = None
     padding_q: torch.Tensor | None = None
     padding_k: torch.Tensor | None = None
+    # A CPU int64 tensor naming this plan (see plan_by_handle): what torch.compile'd code passes
+    # to varlen_attn's custom op instead of the plan's host numbers, so no value is specialized.
+    handle: torch.Tensor = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self):
+        ident = next(_plan_ids)
+        object.__setattr__(self, "handle", torch.tensor([ident], dtype=torch.int64))
+        _PLANS[ident] = self
 
     @property
     def num_segments(self) -> int:
@@ -103,6 +112,15 @@ class VarlenPlan:
             f"segments={self.num_segments}, total_q={self.total_q}, total_k={self.total_k}, "
             f"max_seqlen_q={self.max_seqlen_q}, max_seqlen_k={self.max_seqlen_k})"
         )
+
+
+_plan_ids = itertools.count(1)
+_PLANS: "weakref.WeakValueDictionary[int, VarlenPlan]" = weakref.WeakValueDictionary()
+
+
+def plan_by_handle(ident: int) -> VarlenPlan | None:
+    """The live plan whose ``handle`` holds ``ident``, or None once it was freed."""
+    return _PLANS.get(ident)
 
 
 def _host(t: torch.Tensor) -> list[int]:

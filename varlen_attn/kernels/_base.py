@@ -30,9 +30,11 @@ class VarlenInputs:
     dropout_p: float = 0.0
 
     def describe(self) -> str:
+        p = self.plan
         return (
-            f"q {tuple(self.q.shape)} {self.q.dtype}, k {tuple(self.k.shape)}, "
-            f"v {tuple(self.v.shape)}, device {self.q.device}, causal={self.causal}, "
+            f"q ({p.total_q}, {self.q.shape[-2]}, {self.q.shape[-1]}) {self.q.dtype}, "
+            f"k ({p.total_k}, {self.k.shape[-2]}, {self.k.shape[-1]}), "
+            f"v ({p.total_k}, {self.v.shape[-2]}, {self.v.shape[-1]}), device {self.q.device}, causal={self.causal}, "
             f"dropout_p={self.dropout_p}, segments={self.plan.num_segments}, "
             f"max_seqlen_q={self.plan.max_seqlen_q}, max_seqlen_k={self.plan.max_seqlen_k}"
         )
@@ -60,6 +62,9 @@ class Backend:
     SUPPORTS_CAUSAL: bool = True
     SUPPORTS_DROPOUT: bool = True
     SUPPORTS_DIFFERENT_V_DIM: bool = True
+    # True when forward_lse/backward call the kernel's own forward and backward entry points;
+    # otherwise backward recomputes the forward under autograd (correct, costs one forward).
+    NATIVE_BACKWARD: bool = False
 
     def is_installed(self) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in self.REQUIRES)
@@ -100,7 +105,23 @@ class Backend:
         return reasons
 
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
+        """Packed attention with autograd through the kernel."""
         raise NotImplementedError
+
+    def forward_lse(self, inp: VarlenInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(out, lse)`` without recording autograd; ``lse`` is ``[Hq, total_q]`` float32, or
+        None for a backend whose :meth:`backward` recomputes."""
+        with torch.no_grad():
+            return self.forward(inp), None
+
+    def backward(self, inp: VarlenInputs, out: torch.Tensor, lse: torch.Tensor | None,
+                 dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(dq, dk, dv)`` on packed tensors. Default: recompute the forward under autograd."""
+        q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
+        with torch.enable_grad():
+            o = self.forward(VarlenInputs(q, k, v, inp.plan, inp.scale, inp.causal, inp.dropout_p))
+            grads = torch.autograd.grad(o, (q, k, v), dout, allow_unused=True)
+        return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
 
     def __repr__(self) -> str:
         return f"<varlen backend {self.NAME!r}>"

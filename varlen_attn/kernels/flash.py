@@ -84,3 +84,31 @@ class FlashAttn4Backend(_FlashBackend):
         if 0 in inp.plan.seqlens_q or 0 in inp.plan.seqlens_k:
             reasons.append("zero-length segment in the plan")
         return reasons
+
+    # FA4's own forward and backward entry points (what its autograd Function calls), so the
+    # fused path (varlen_attn.fused) can run pack + kernel + unpack as one autograd node.
+    NATIVE_BACKWARD = True
+
+    def _interface(self):
+        return importlib.import_module("flash_attn.cute.interface")
+
+    def forward_lse(self, inp: VarlenInputs):
+        p = inp.plan
+        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inp.q, inp.k, inp.v))
+        res = self._interface()._flash_attn_fwd(
+            q, k, v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+            max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
+            softmax_scale=inp.scale, causal=inp.causal, return_lse=True,
+        )
+        return res[0], res[1]
+
+    def backward(self, inp: VarlenInputs, out, lse, dout):
+        p = inp.plan
+        q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous()
+                              for t in (inp.q, inp.k, inp.v, out, dout))
+        dq, dk, dv = self._interface()._flash_attn_bwd(
+            q, k, v, out, dout, lse, inp.scale, inp.causal,
+            cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
+            max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
+        )[:3]
+        return dq, dk, dv
