@@ -158,6 +158,20 @@ def run_shape(name, h=24, d=128, dtype=torch.bfloat16):
         add(f"varlen_attn backend={name_} (pack + kernel + unpack)",
             lambda n=name_: va.attention(q, k, v, plan=plan, backend=n))
     add("varlen_attn auto", lambda: va.attention(q, k, v, plan=plan))
+    if kernels.BACKENDS["flash_attn_4"].installed():
+        # A/B in the same run: the composed path (pack_qkv + FA4's autograd + unpack, packed
+        # copies kept for backward) against the fused one-node path that auto runs.
+        def composed():
+            va.functional.FUSED = False
+            try:
+                return va.attention(q, k, v, plan=plan, backend="flash_attn_4")
+            finally:
+                va.functional.FUSED = True
+
+        add("varlen_attn flash_attn_4, composed (before fusing)", composed)
+    # Under torch.compile: the custom op (varlen_attn.compiled), plan passed in as a handle.
+    compiled = torch.compile(lambda q_, k_, v_, p_: va.attention(q_, k_, v_, plan=p_), fullgraph=True)
+    add("varlen_attn auto, torch.compile'd caller (custom op)", lambda: compiled(q, k, v, plan))
     valid = (int(qkeep.sum()), int(kkeep.sum()))
     return {"shape": name, "B": b, "Sq": sq, "Sk": sk, "H": h, "D": d, "valid_q_k": valid,
             "plan_build_ms": statistics.median(build_ms), "rows": rows, "floor": floor, "stock": stock}

@@ -27,6 +27,8 @@ def main():
     ap.add_argument("--single", type=int, default=4)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--compile", action="store_true",
+                    help="compile every block (regional, fullgraph) and give each step a new mask")
     args = ap.parse_args()
     from diffusers import ChromaTransformer2DModel
 
@@ -50,10 +52,24 @@ def main():
                   txt_ids=torch.zeros(t, 3, device=dev, dtype=dtype), return_dict=False)
 
     current = {"mask": None}
+    # --compile: three batches with different prompt lengths, one per step in turn.
+    masks = [torch.cat([torch.arange(t, device=dev)[None] < torch.tensor(ls, device=dev)[:, None],
+                        torch.ones(b, n, dtype=torch.bool, device=dev)], 1)
+             for ls in (lengths, [512, 0, 40], [13, 200, 511])]
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+            block.compile(fullgraph=True)
+    turn = [0]
 
     def step(m):
         m.zero_grad(set_to_none=True)
-        out = m(**inputs, attention_mask=current["mask"])[0]
+        mask_now = current["mask"]
+        if args.compile and mask_now is not None:
+            turn[0] += 1
+            mask_now = masks[turn[0] % len(masks)] if turn[0] > 1 else mask
+        out = m(**inputs, attention_mask=mask_now)[0]
         out.float().pow(2).mean().backward()
         return out.detach()
 
@@ -64,9 +80,12 @@ def main():
             va.enable_varlen(model)
             va.reset_stats()
         current["mask"] = None if name.endswith("no mask") else mask
+        turn[0] = 0
         outs[name] = step(model)
-        for _ in range(2):
+        for _ in range(4 if args.compile else 2):
             step(model)
+        if args.compile:
+            frames_before = counters["stats"]["unique_graphs"]
         times = []
         for _ in range(args.reps):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -77,6 +96,9 @@ def main():
             torch.cuda.synchronize()
             times.append(s.elapsed_time(e))
         results[name] = statistics.median(times)
+        if args.compile:
+            results[f"{name}: new graphs during timed steps"] = counters["stats"]["unique_graphs"] - frames_before
+            results[f"{name}: graph breaks so far"] = dict(counters["graph_break"])
         if name.startswith("enable_varlen"):
             results["varlen stats"] = va.stats()
             va.disable_varlen(model)
@@ -90,11 +112,16 @@ def main():
           f"vs no-mask step: {results['stock, no mask'] / results['enable_varlen, mask']:.2f}x")
     print(f"  first-step output: max |diff| {diff.max().item():.3e}, mean |diff| {diff.mean().item():.3e}, "
           f"max |out| {ref_scale:.3e}")
-    print(f"  varlen stats over {args.reps + 3} steps: {results['varlen stats']}")
+    print(f"  varlen stats over the enable_varlen steps: {results['varlen stats']}")
+    if args.compile:
+        print("  compiled blocks (regional, fullgraph), a new mask every step:")
+        for k, val in results.items():
+            if ":" in k:
+                print(f"    {k}: {val}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"results": results, "max_diff": diff.max().item(), "gpu": torch.cuda.get_device_name(),
-                       "torch": torch.__version__}, fh, indent=1, default=str)
+                       "torch": torch.__version__, "compiled": args.compile}, fh, indent=1, default=str)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,130 @@
+"""torch.compile: no graph break in attention and no recompilation when the mask changes.
+
+Counted with dynamo's own counters (``CompileCounterWithBackend`` counts compiled frames, a
+recompile is a second frame; ``counters["graph_break"]`` lists breaks). ``aot_eager`` runs
+dynamo and AOTAutograd (the parts that see our custom op's fake implementation and autograd
+formula); one test also runs inductor, which generates C++ on the CPU.
+"""
+
+import pytest
+import torch
+import torch._dynamo.testing as dynamo_testing
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import varlen_attn as va
+
+B, S, H, D = 3, 12, 2, 8
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _qkv(seed, requires_grad=True):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, S, H, D, dtype=torch.float64, generator=g).requires_grad_(requires_grad)
+            for _ in range(3)]
+
+
+def _grads(fn, q, k, v):
+    out = fn(q, k, v)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    q.grad = k.grad = v.grad = None
+    (out * w).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+def _lengths(step):
+    # A new batch every step: different lengths, an empty prompt, a full row.
+    return [[5, 12, 1], [0, 7, 12], [12, 12, 12], [3, 0, 9]][step % 4]
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_functional_with_plan_compiles_once(backend):
+    cnt = dynamo_testing.CompileCounterWithBackend(backend)
+
+    def layer(q, k, v, plan):
+        return va.attention(q * 2, k, v, plan=plan).sin()
+
+    compiled = torch.compile(layer, fullgraph=True, backend=cnt)
+    steps = 4 if backend == "aot_eager" else 2
+    for step in range(steps):
+        keep = torch.arange(S)[None] < torch.tensor(_lengths(step))[:, None]
+        plan = va.build_plan(keep)
+        q, k, v = _qkv(step)
+        got = _grads(lambda *t: compiled(*t, plan), q, k, v)
+        want = _grads(lambda q, k, v: F.scaled_dot_product_attention(
+            (q * 2).transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=keep[:, None, None, :]).transpose(1, 2).sin(), q, k, v)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert cnt.frame_count == 1, "a new mask recompiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_sdpa_dropin_with_masks_of_every_kind():
+    """Masks (not plans) reach the op; packable ones pack, others run SDPA inside the op."""
+    cnt = dynamo_testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v, m: va.scaled_dot_product_attention(q, k, v, m),
+                             fullgraph=True, backend=cnt)
+    keep = torch.arange(S)[None] < torch.tensor([4, 12, 0])[:, None]
+    outer = keep[:, None, :, None] & keep[:, None, None, :]
+    masks = [outer, outer.clone(), torch.ones(S, S, dtype=torch.bool).tril().expand(B, 1, S, S),
+             torch.where(outer, 0.0, float("-inf")).double(), torch.randn(B, 1, S, S, dtype=torch.float64)]
+    va.reset_stats()
+    for i, m in enumerate(masks):
+        q, k, v = (t.detach().transpose(1, 2).contiguous().requires_grad_() for t in _qkv(i))
+        got = _grads(lambda q, k, v: compiled(q, k, v, m), q, k, v)
+        want = _grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=m), q, k, v)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    st = va.stats()
+    assert st["backends"] == {"split_sdpa": 3, "sdpa": 2}, st  # -inf float mask packs
+    assert len(st["fallbacks"]) == 2, st  # causal structure, additive bias: both recorded
+    # Guards are on the mask's dtype and strides (bool, bool expanded, float), never on values.
+    assert cnt.frame_count == 3
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_dropout_is_refused_under_compile():
+    q, k, v = _qkv(0, requires_grad=False)
+    keep = torch.ones(B, S, dtype=torch.bool)
+    f = torch.compile(lambda q, k, v: va.attention(q, k, v, keep, dropout_p=0.1), fullgraph=True,
+                      backend="aot_eager")
+    with pytest.raises(Exception, match="dropout_p must be 0 under torch.compile"):
+        f(q, k, v)
+
+
+diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
+
+
+@pytest.mark.parametrize("how", ["blocks", "whole"])
+def test_enable_varlen_model_compiles_without_breaks_or_recompiles(how):
+    from test_integration import TOL, assert_same, chroma_inputs, step, tiny_chroma
+
+    stock = tiny_chroma()
+    model = va.enable_varlen(tiny_chroma())
+    cnt = dynamo_testing.CompileCounterWithBackend("aot_eager")
+    if how == "blocks":  # OneTrainer / diffusers regional compilation: each block compiled
+        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+            block.compile(fullgraph=True, backend=cnt)
+        run = model
+    else:
+        run = torch.compile(model, fullgraph=True, backend=cnt)
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (0, 0, 0), (2, 2, 2)]):
+        inputs = chroma_inputs(lengths, seed=i)
+        va.reset_stats()
+        got = step(run, inputs)
+        st = va.stats()
+        assert st["backends"] == {"split_sdpa": 4} and not st["fallbacks"], st
+        want = step(stock, inputs)
+        got = (got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()})
+        assert_same(got, want, TOL)
+    # One frame per compiled code object: two block classes, or the whole model.
+    assert cnt.frame_count == (2 if how == "blocks" else 1), "a new mask recompiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
