@@ -1,15 +1,21 @@
 #!/usr/bin/env bash
 # Everything measured on the device in one call, most important first (each step time-boxed).
 # Before it: `bash .fa4a/stage.sh` (carry .fa4a); this call carries .fa4b and .whl
-# (see ../shared/tools/device-wheels.sh). Results land in $OUT.
+# (see ../shared/tools/device-wheels.sh). Results land in $OUT. Steps: $STEPS (default all).
 set -u
 bash .fa4b/install.sh || exit 3
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD:$PWD/benchmarks
+export PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
-python3 -c "import torch, flash_attn.cute as c, diffusers; print(torch.__version__, torch.version.cuda, diffusers.__version__)"
+python3 -c "import torch, diffusers; print(torch.__version__, torch.version.cuda, diffusers.__version__)"
+STEPS=${STEPS:-"overhead attention step compiled tests"}
 run() { local t=$1; shift; echo "== $*"; timeout "$t" "$@"; echo "== rc=$?"; }
-run 240 python3 benchmarks/attention.py --json "$OUT/attention.json" --png "$OUT/attention.png" 2>&1 | tee "$OUT/attention.txt"
-run 120 python3 benchmarks/chroma_step.py --json "$OUT/chroma_step_fa4.json" 2>&1 | tee "$OUT/chroma_step_fa4.txt"
-run 150 python3 benchmarks/chroma_step.py --compile --json "$OUT/chroma_step_fa4_compiled.json" 2>&1 | tee "$OUT/chroma_step_fa4_compiled.txt"
-run 100 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_models.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log"
+for s in $STEPS; do case $s in
+  overhead) for shape in chroma512 chroma1024; do
+      run 90 python3 benchmarks/profile_overhead.py --shape $shape 2>&1 | grep -v "^ *\(---\|Name\|Self\)" | head -24 | tee -a "$OUT/overhead.txt"; done ;;
+  attention) run 200 python3 benchmarks/attention.py --json "$OUT/attention.json" --png "$OUT/attention.png" 2>&1 | tee "$OUT/attention.txt" ;;
+  step) run 120 python3 benchmarks/chroma_step.py --json "$OUT/chroma_step_fa4.json" 2>&1 | tee "$OUT/chroma_step_fa4.txt" ;;
+  compiled) run 150 python3 benchmarks/chroma_step.py --compile --json "$OUT/chroma_step_fa4_compiled.json" 2>&1 | tee "$OUT/chroma_step_fa4_compiled.txt" ;;
+  tests) run 330 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_models.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+esac; done

@@ -77,6 +77,18 @@ def main():
 
     for mode in ("separate", "fused"):  # before / after: one autograd node for q, k, v
         paths[f"attention {name}, pack_qkv={mode}"] = with_pack(mode)
+    fmod = importlib.import_module("varlen_attn.functional")
+
+    def with_fused(flag):
+        def run():
+            fmod.FUSED = flag
+            return va.attention(q, k, v, plan=plan, backend=name)
+        return run
+
+    for flag in (False, True):  # before / after: pack + kernel + unpack as one autograd node
+        paths[f"attention {name}, fused={flag}"] = with_fused(flag)
+    compiled = torch.compile(lambda q_, k_, v_, p_: va.attention(q_, k_, v_, plan=p_, backend=name), fullgraph=True)
+    paths[f"attention {name}, torch.compile'd caller"] = lambda: compiled(q, k, v, plan)
     print(f"{args.shape}, backend {name}, total_q {plan.total_q}, total_k {plan.total_k}")
     print(f"{'path':<44}{'host ms/iter':>14}{'GPU ms/iter':>13}  (median of 7 rounds, paths interleaved)")
     samples = {label: [] for label in paths}
@@ -90,6 +102,7 @@ def main():
     split.CUT = "split"
     pack_mod.SCATTER = "inverse_gather"
     pack_mod.PACK_QKV = "fused"
+    fmod.FUSED = True
     from torch.profiler import ProfilerActivity, profile
 
     fn = paths["varlen_attn.attention"]

@@ -1,18 +1,16 @@
 """Pack -> kernel -> unpack as one autograd node (for backends with their own backward).
 
 The composed path (``pack_qkv`` -> backend forward under autograd -> ``unpack``) records three
-autograd nodes and keeps the packed q, k, v and output alive from forward to backward, next to
-the padded tensors the caller already holds. Here one node does it all, for a backend that
-exposes its kernel's forward and backward (``Backend.NATIVE_BACKWARD``):
+autograd nodes. Here one node does it all, for a backend that exposes its kernel's forward and
+backward (``Backend.NATIVE_BACKWARD``):
 
-* forward: gather q, k, v (no autograd), ``forward_lse``, scatter the output; saves the padded
-  q, k, v and output (which the caller holds anyway) and the log-sum-exp. The packed copies die
-  at the end of the forward.
-* backward: gather q, k, v, out and the output gradient again, the kernel's backward, scatter
-  dq, dk, dv (gathers through the plan's inverse index, as in :mod:`varlen_attn.pack`).
+* forward: gather q, k, v (no autograd), ``forward_lse``, scatter the output;
+* backward: gather the output gradient, the kernel's backward, scatter dq, dk, dv (gathers
+  through the plan's inverse index, as in :mod:`varlen_attn.pack`).
 
-This trades four gathers in backward for the packed tensors' memory between forward and
-backward. ``benchmarks/attention.py`` prints both paths side by side.
+The kernels and bytes moved are the composed path's; what goes is the Python and autograd
+bookkeeping of two extra nodes per layer (host time, which dominates at small shapes).
+``benchmarks/attention.py`` prints both paths side by side.
 """
 
 from __future__ import annotations
@@ -58,18 +56,26 @@ def backward(impl: Backend, dout, q, k, v, out, lse, plan: VarlenPlan, scale: fl
 
 
 class FusedAttention(torch.autograd.Function):
-    """Padded q, k, v -> padded output, one autograd node. First-order gradients only."""
+    """Padded q, k, v -> padded output, one autograd node. First-order gradients only.
+
+    Saves the packed q, k, v, output and lse (as the composed path does): re-gathering them in
+    backward instead measured 0.13 ms slower at Chroma 1024 px with no lower peak memory
+    (benchmarks/NOTES.md). The compiled op (varlen_attn.compiled) re-gathers, as its saved
+    tensors must have shapes known at trace time."""
 
     @staticmethod
     def forward(ctx, q, k, v, plan, impl, scale, causal):
-        out, lse = forward(impl, q, k, v, plan, scale, causal)
-        ctx.save_for_backward(q, k, v, out, lse)
+        inp = VarlenInputs(gather(q, plan, "q"), gather(k, plan, "k"), gather(v, plan, "k"), plan, scale, causal)
+        out, lse = impl.forward_lse(inp)
+        ctx.save_for_backward(inp.q, inp.k, inp.v, out, lse)
         ctx.plan, ctx.impl, ctx.scale, ctx.causal = plan, impl, scale, causal
-        return out
+        return scatter(out, plan, "q")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(ctx.impl, dout, q, k, v, out, lse, ctx.plan, ctx.scale, ctx.causal)
-        return dq, dk, dv, None, None, None, None
+        qp, kp, vp, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        inp = VarlenInputs(qp, kp, vp, plan, ctx.scale, ctx.causal)
+        dq, dk, dv = ctx.impl.backward(inp, out, lse, gather(dout, plan, "q"))
+        return scatter(dq, plan, "q"), scatter(dk, plan, "k"), scatter(dv, plan, "k"), None, None, None, None
