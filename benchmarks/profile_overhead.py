@@ -60,33 +60,25 @@ def main():
 
     pack_mod = importlib.import_module("varlen_attn.pack")
 
-    def with_scatter(mode):
-        def run():
-            pack_mod.SCATTER = mode
-            return va.attention(q, k, v, plan=plan, backend=name)
-        return run
-
-    for mode in ("index_copy", "inverse_gather"):  # before / after for unpack and pack-backward
-        paths[f"attention {name}, scatter={mode}"] = with_scatter(mode)
-
-    def with_pack(mode):
-        def run():
-            pack_mod.PACK_QKV = mode
-            return va.attention(q, k, v, plan=plan, backend=name)
-        return run
-
-    for mode in ("separate", "fused"):  # before / after: one autograd node for q, k, v
-        paths[f"attention {name}, pack_qkv={mode}"] = with_pack(mode)
     fmod = importlib.import_module("varlen_attn.functional")
 
-    def with_fused(flag):
+    def with_settings(*settings):
+        """attention with each ``module.attr = value`` set: one side of an A/B switch."""
         def run():
-            fmod.FUSED = flag
+            for module, attr, value in settings:
+                setattr(module, attr, value)
             return va.attention(q, k, v, plan=plan, backend=name)
         return run
 
-    for flag in (False, True):  # before / after: pack + kernel + unpack as one autograd node
-        paths[f"attention {name}, fused={flag}"] = with_fused(flag)
+    # Before / after: index_copy vs inverse-gather scatter; one autograd node for q, k, v (the
+    # composed path's pack, so FUSED=False); pack + kernel + unpack as one autograd node.
+    for label, value, extra in (("scatter", "index_copy", ()), ("scatter", "inverse_gather", ()),
+                                ("pack_qkv", "separate", ((fmod, "FUSED", False),)),
+                                ("pack_qkv", "fused", ((fmod, "FUSED", False),)),
+                                ("fused", False, ()), ("fused", True, ())):
+        module, attr = (fmod, "FUSED") if label == "fused" else (pack_mod, label.upper())
+        defaults = ((fmod, "FUSED", True), (pack_mod, "SCATTER", "inverse_gather"), (pack_mod, "PACK_QKV", "fused"))
+        paths[f"attention {name}, {label}={value}"] = with_settings(*defaults, *extra, (module, attr, value))
     compiled = torch.compile(lambda q_, k_, v_, p_: va.attention(q_, k_, v_, plan=p_, backend=name), fullgraph=True)
     paths[f"attention {name}, torch.compile'd caller"] = lambda: compiled(q, k, v, plan)
     print(f"{args.shape}, backend {name}, total_q {plan.total_q}, total_k {plan.total_k}")

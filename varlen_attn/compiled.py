@@ -29,8 +29,9 @@ from torch import Tensor
 
 from . import _stats, fused
 from ._errors import InputValueError
-from .kernels import requested_backend
+from .kernels import VarlenInputs, requested_backend
 from .masks import canonical_mask
+from .pack import gather_packed, scatter_packed
 from .plan import VarlenPlan, build_plan, full_plan, plan_by_handle
 
 _ids = itertools.count(1)
@@ -78,7 +79,7 @@ def _resolve(q, k, mask, handle, convention, float_mask) -> "VarlenPlan":
                       float01_as_bool=float_mask != "bias")
 
 
-def _mask4(plan, q, k, mask, convention):
+def _mask4(q, k, mask, convention):
     if mask is None:
         return None
     return canonical_mask(mask, batch_size=q.shape[0], num_heads=q.shape[2], seqlen_q=q.shape[1],
@@ -97,22 +98,25 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], handle
                  scale: Optional[float], causal: bool, gqa: bool, backend: str, strict: bool,
                  convention: str, float_mask: str) -> tuple[Tensor, Tensor, Tensor]:
     """Padded ``[B, S, H, D]`` q, k, v -> ``(out [B, Sq, Hq, Dv], lse [Hq, B*Sq] float32,
-    plan handle)``; lse is filled only for backends with their own backward."""
+    plan handle)``; lse is filled (its first ``total_q`` columns) only for backends with their
+    own backward, and read only by them."""
     from . import functional
 
     with torch._C.DisableTorchFunction():  # enable_varlen's mode must not see our own calls
         plan = _resolve(q, k, mask, handle, convention, float_mask)
-        mask4 = _mask4(plan, q, k, mask, convention)
-        impl, reason, probe = _route(q, k, v, plan, mask4, scale, causal, gqa, backend, strict)
-        lse_buf = q.new_zeros((q.shape[2], q.shape[0] * q.shape[1]), dtype=torch.float32)
+        mask4 = _mask4(q, k, mask, convention)
+        route = _route(q, k, v, plan, mask4, scale, causal, gqa, backend, strict)
+        impl, _, probe = route
+        lse_buf = q.new_empty((q.shape[2], q.shape[0] * q.shape[1]), dtype=torch.float32)
         if impl is not None and functional._fusable(impl, plan, 0.0):
             _stats.record_backend(impl.NAME)
-            out, lse = fused.forward(impl, q, k, v, plan, probe.scale, causal)
+            _, out, lse = fused.packed_forward(impl, q, k, v, plan, probe.scale, causal)
+            out = scatter_packed(out, plan, "q")
             lse_buf[:, : plan.total_q] = lse
         else:
             with torch.no_grad():
-                out = functional._attend(q, k, v, plan, mask4, dropout_p=0.0, causal=causal, scale=scale,
-                                         gqa=gqa, backend=requested_backend(backend or None), strict=strict)
+                out = functional._execute(q, k, v, plan, mask4, route, dropout_p=0.0, causal=causal,
+                                          scale=scale, gqa=gqa)
         return out.contiguous(), lse_buf, _hold(plan)
 
 
@@ -132,16 +136,18 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
 
     with torch._C.DisableTorchFunction():
         plan = _held(handle)
-        mask4 = _mask4(plan, q, k, mask, convention)
-        impl, _, probe = _route(q, k, v, plan, mask4, scale, causal, gqa, backend, strict)
+        mask4 = _mask4(q, k, mask, convention)
+        route = _route(q, k, v, plan, mask4, scale, causal, gqa, backend, strict)
+        impl, _, probe = route
         if impl is not None and functional._fusable(impl, plan, 0.0):
-            return fused.backward(impl, dout, q, k, v, out, lse[:, : plan.total_q].contiguous(), plan,
-                                  probe.scale, causal)
+            packed = [gather_packed(t, plan, w) for t, w in ((q, "q"), (k, "k"), (v, "k"), (out, "q"))]
+            inp = VarlenInputs(*packed[:3], plan, probe.scale, causal)
+            return fused.packed_backward(impl, inp, packed[3], lse[:, : plan.total_q].contiguous(), dout)
         # Recompute the forward under autograd (backends without a backward entry point, SDPA).
         qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
         with _autograd_dispatch(), torch.enable_grad(), _stats.quiet():
-            o = functional._attend(qd, kd, vd, plan, mask4, dropout_p=0.0, causal=causal, scale=scale,
-                                   gqa=gqa, backend=requested_backend(backend or None), strict=strict)
+            o = functional._execute(qd, kd, vd, plan, mask4, route, dropout_p=0.0, causal=causal, scale=scale,
+                                    gqa=gqa)
             grads = torch.autograd.grad(o, (qd, kd, vd), dout, allow_unused=True)
         return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
 

@@ -151,8 +151,14 @@ def _fusable(impl, plan, dropout_p) -> bool:
 def _attend(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, strict):
     """Core on ``[B, S, H, D]`` tensors: the varlen path, or masked SDPA with the reason.
     ``backend`` is already resolved by the caller (``requested_backend``)."""
-    impl, reason, probe = _route(q, k, v, plan, mask4, dropout_p=dropout_p, causal=causal, scale=scale,
-                                 gqa=gqa, backend=backend, strict=strict)
+    route = _route(q, k, v, plan, mask4, dropout_p=dropout_p, causal=causal, scale=scale, gqa=gqa,
+                   backend=backend, strict=strict)
+    return _execute(q, k, v, plan, mask4, route, dropout_p=dropout_p, causal=causal, scale=scale, gqa=gqa)
+
+
+def _execute(q, k, v, plan, mask4, route, *, dropout_p, causal, scale, gqa):
+    """Run what :func:`_route` decided."""
+    impl, reason, probe = route
     if impl is None:
         return _masked_sdpa(q, k, v, _sdpa_mask(plan, mask4), dropout_p, causal, scale, gqa, reason)
     _stats.record_backend(impl.NAME)

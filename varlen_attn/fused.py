@@ -18,41 +18,23 @@ from __future__ import annotations
 import torch
 
 from .kernels import Backend, VarlenInputs
-from .pack import _scatter
+from .pack import gather_packed, scatter_packed
 from .plan import VarlenPlan
 
 
-def gather(x: torch.Tensor, plan: VarlenPlan, which: str) -> torch.Tensor:
-    """``[B, S, ...]`` -> packed ``[total, ...]``, no autograd."""
-    flat = x.flatten(0, 1)
-    if which == "q":
-        return flat if plan.q_identity else flat.index_select(0, plan.indices_q)
-    return flat if plan.k_identity else flat.index_select(0, plan.indices_k)
-
-
-def scatter(y: torch.Tensor, plan: VarlenPlan, which: str) -> torch.Tensor:
-    """Packed ``[total, ...]`` -> ``[B, S, ...]`` with zero padding rows, no autograd."""
-    if which == "q":
-        s, ident, idx, inv, pad = plan.seqlen_q, plan.q_identity, plan.indices_q, plan.inverse_q, plan.padding_q
-    else:
-        s, ident, idx, inv, pad = plan.seqlen_k, plan.k_identity, plan.indices_k, plan.inverse_k, plan.padding_k
-    flat = y if ident else _scatter(y, idx, plan.batch_size * s, inv, pad)
-    return flat.reshape((plan.batch_size, s) + tuple(y.shape[1:]))
-
-
-def forward(impl: Backend, q, k, v, plan: VarlenPlan, scale: float, causal: bool):
-    """Padded ``[B, S, H, D]`` in, ``(padded out, lse [Hq, total_q] or None)`` out; no autograd."""
-    inp = VarlenInputs(gather(q, plan, "q"), gather(k, plan, "k"), gather(v, plan, "k"), plan, scale, causal)
+def packed_forward(impl: Backend, q, k, v, plan: VarlenPlan, scale: float, causal: bool):
+    """Padded ``[B, S, H, D]`` q, k, v -> ``(packed inputs, packed out, lse)``; no autograd."""
+    inp = VarlenInputs(gather_packed(q, plan, "q"), gather_packed(k, plan, "k"), gather_packed(v, plan, "k"),
+                       plan, scale, causal)
     out, lse = impl.forward_lse(inp)
-    return scatter(out, plan, "q"), lse
+    return inp, out, lse
 
 
-def backward(impl: Backend, dout, q, k, v, out, lse, plan: VarlenPlan, scale: float, causal: bool):
-    """Padded gradients ``(dq, dk, dv)`` from the padded output gradient; no autograd."""
-    inp = VarlenInputs(gather(q, plan, "q"), gather(k, plan, "k"), gather(v, plan, "k"), plan, scale, causal)
-    dq, dk, dv = impl.backward(inp, gather(out, plan, "q"), lse, gather(dout, plan, "q"))
-    del inp
-    return scatter(dq, plan, "q"), scatter(dk, plan, "k"), scatter(dv, plan, "k")
+def packed_backward(impl: Backend, inp: VarlenInputs, out, lse, dout):
+    """Packed inputs and output, padded output gradient -> padded ``(dq, dk, dv)``; no autograd."""
+    plan = inp.plan
+    dq, dk, dv = impl.backward(inp, out, lse, gather_packed(dout, plan, "q"))
+    return scatter_packed(dq, plan, "q"), scatter_packed(dk, plan, "k"), scatter_packed(dv, plan, "k")
 
 
 class FusedAttention(torch.autograd.Function):
@@ -65,17 +47,14 @@ class FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, plan, impl, scale, causal):
-        inp = VarlenInputs(gather(q, plan, "q"), gather(k, plan, "k"), gather(v, plan, "k"), plan, scale, causal)
-        out, lse = impl.forward_lse(inp)
+        inp, out, lse = packed_forward(impl, q, k, v, plan, scale, causal)
         ctx.save_for_backward(inp.q, inp.k, inp.v, out, lse)
         ctx.plan, ctx.impl, ctx.scale, ctx.causal = plan, impl, scale, causal
-        return scatter(out, plan, "q")
+        return scatter_packed(out, plan, "q")
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         qp, kp, vp, out, lse = ctx.saved_tensors
-        plan = ctx.plan
-        inp = VarlenInputs(qp, kp, vp, plan, ctx.scale, ctx.causal)
-        dq, dk, dv = ctx.impl.backward(inp, out, lse, gather(dout, plan, "q"))
-        return scatter(dq, plan, "q"), scatter(dk, plan, "k"), scatter(dv, plan, "k"), None, None, None, None
+        inp = VarlenInputs(qp, kp, vp, ctx.plan, ctx.scale, ctx.causal)
+        return (*packed_backward(ctx.impl, inp, out, lse, dout), None, None, None, None)

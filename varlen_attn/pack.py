@@ -120,6 +120,20 @@ def _side(plan: VarlenPlan, which: str):
     raise InputValueError(f"which must be 'q' (queries) or 'k' (keys and values), got {which!r}")
 
 
+def gather_packed(x: torch.Tensor, plan: VarlenPlan, which: str) -> torch.Tensor:
+    """:func:`pack` without autograd or shape checks (for callers that own the backward)."""
+    indices, _, identity, _, _ = _side(plan, which)
+    flat = x.flatten(0, 1)
+    return flat if identity else flat.index_select(0, indices)
+
+
+def scatter_packed(y: torch.Tensor, plan: VarlenPlan, which: str) -> torch.Tensor:
+    """:func:`unpack` without autograd or shape checks (for callers that own the backward)."""
+    indices, seqlen, identity, inverse, padding = _side(plan, which)
+    flat = y if identity else _scatter(y, indices, plan.batch_size * seqlen, inverse, padding)
+    return flat.reshape((plan.batch_size, seqlen) + tuple(y.shape[1:]))
+
+
 def pack(x: torch.Tensor, plan: VarlenPlan, which: str = "q") -> torch.Tensor:
     """``[B, S, ...]`` -> ``[total, ...]``: the valid tokens of the plan's queries (``which="q"``)
     or keys/values (``"k"``), in packed order. Equivalent PyTorch:

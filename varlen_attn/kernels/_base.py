@@ -62,8 +62,8 @@ class Backend:
     SUPPORTS_CAUSAL: bool = True
     SUPPORTS_DROPOUT: bool = True
     SUPPORTS_DIFFERENT_V_DIM: bool = True
-    # True when forward_lse/backward call the kernel's own forward and backward entry points;
-    # otherwise backward recomputes the forward under autograd (correct, costs one forward).
+    # True when forward_lse/backward call the kernel's own forward and backward entry points
+    # (then pack + kernel + unpack run as one autograd node, varlen_attn.fused).
     NATIVE_BACKWARD: bool = False
 
     def is_installed(self) -> bool:
@@ -108,20 +108,17 @@ class Backend:
         """Packed attention with autograd through the kernel."""
         raise NotImplementedError
 
-    def forward_lse(self, inp: VarlenInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(out, lse)`` without recording autograd; ``lse`` is ``[Hq, total_q]`` float32, or
-        None for a backend whose :meth:`backward` recomputes."""
-        with torch.no_grad():
-            return self.forward(inp), None
+    def forward_lse(self, inp: VarlenInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(out, lse [Hq, total_q] float32)`` without autograd: the kernel's own forward.
+        Only for ``NATIVE_BACKWARD`` backends (varlen_attn.fused)."""
+        raise NotImplementedError(f"backend {self.NAME!r} has no forward/backward entry points")
 
-    def backward(self, inp: VarlenInputs, out: torch.Tensor, lse: torch.Tensor | None,
+    def backward(self, inp: VarlenInputs, out: torch.Tensor, lse: torch.Tensor,
                  dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(dq, dk, dv)`` on packed tensors. Default: recompute the forward under autograd."""
-        q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
-        with torch.enable_grad():
-            o = self.forward(VarlenInputs(q, k, v, inp.plan, inp.scale, inp.causal, inp.dropout_p))
-            grads = torch.autograd.grad(o, (q, k, v), dout, allow_unused=True)
-        return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+        """``(dq, dk, dv)`` on packed tensors: the kernel's own backward. Only for
+        ``NATIVE_BACKWARD`` backends; the others get gradients by autograd through
+        :meth:`forward` (eagerly, or recomputed inside varlen_attn.compiled's backward op)."""
+        raise NotImplementedError(f"backend {self.NAME!r} has no forward/backward entry points")
 
     def __repr__(self) -> str:
         return f"<varlen backend {self.NAME!r}>"

@@ -35,16 +35,20 @@ class _FlashBackend(Backend):
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
         # Only FA2 takes dropout; the others refuse it in not_supported_reasons.
         extra = {"dropout_p": inp.dropout_p} if self.SUPPORTS_DROPOUT else {}
-        p = inp.plan
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inp.q, inp.k, inp.v))
-        # Keywords: FA3/FA4 put seqused_q/k between cu_seqlens and max_seqlen positionally.
-        out = self._fn()(
-            q, k, v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
-            max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
-            softmax_scale=inp.scale, causal=inp.causal, **extra,
-        )
+        out = self._fn()(*_last_dim_contiguous(inp.q, inp.k, inp.v), **_varlen_kwargs(inp), **extra)
         # FA3 before 3.0 stable and FA4 return (out, lse).
         return out[0] if isinstance(out, tuple) else out
+
+
+def _last_dim_contiguous(*ts):
+    return tuple(t if t.stride(-1) == 1 else t.contiguous() for t in ts)
+
+
+def _varlen_kwargs(inp: VarlenInputs) -> dict:
+    """Keywords, not positions: FA3/FA4 put seqused_q/k between cu_seqlens and max_seqlen."""
+    p = inp.plan
+    return dict(cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k, max_seqlen_q=p.max_seqlen_q,
+                max_seqlen_k=p.max_seqlen_k, softmax_scale=inp.scale, causal=inp.causal)
 
 
 class FlashAttn2Backend(_FlashBackend):
@@ -93,22 +97,10 @@ class FlashAttn4Backend(_FlashBackend):
         return importlib.import_module("flash_attn.cute.interface")
 
     def forward_lse(self, inp: VarlenInputs):
-        p = inp.plan
-        q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (inp.q, inp.k, inp.v))
-        res = self._interface()._flash_attn_fwd(
-            q, k, v, cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
-            max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
-            softmax_scale=inp.scale, causal=inp.causal, return_lse=True,
-        )
+        res = self._interface()._flash_attn_fwd(*_last_dim_contiguous(inp.q, inp.k, inp.v),
+                                                **_varlen_kwargs(inp), return_lse=True)
         return res[0], res[1]
 
     def backward(self, inp: VarlenInputs, out, lse, dout):
-        p = inp.plan
-        q, k, v, out, dout = (t if t.stride(-1) == 1 else t.contiguous()
-                              for t in (inp.q, inp.k, inp.v, out, dout))
-        dq, dk, dv = self._interface()._flash_attn_bwd(
-            q, k, v, out, dout, lse, inp.scale, inp.causal,
-            cu_seqlens_q=p.cu_seqlens_q, cu_seqlens_k=p.cu_seqlens_k,
-            max_seqlen_q=p.max_seqlen_q, max_seqlen_k=p.max_seqlen_k,
-        )[:3]
-        return dq, dk, dv
+        return tuple(self._interface()._flash_attn_bwd(
+            *_last_dim_contiguous(inp.q, inp.k, inp.v, out, dout), lse, **_varlen_kwargs(inp))[:3])
