@@ -89,7 +89,7 @@ def fake_fa4_interface(recorder):
         qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
         # The real entry point computes gradients itself; this fake differentiates kernels_ref,
         # so inside the compiled custom op it needs autograd's dispatch keys back.
-        from varlen_attn.compiled import _autograd_dispatch
+        from varlen_attn.op import _autograd_dispatch
 
         with _autograd_dispatch(), torch.enable_grad():
             o = kernels_ref.flash_attn_varlen_func(qd, kd, vd, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -132,17 +132,26 @@ def test_flash_adapters_equal_sdpa(fake_flash, case, name):
         assert [c["entry"] for c in calls] == ["fwd", "bwd"]
 
 
-def test_fused_equals_composed(fake_flash, monkeypatch):
-    """FA4's one-node path (varlen_attn.fused) gives the composed path's results exactly."""
+def test_fused_equals_composed(fake_flash):
+    """FA4's one-node route (varlen_attn.fused) gives the composed route's results exactly
+    (pack_qkv, the backend's autograd forward, unpack: the route of backends without a backward)."""
+    import dataclasses
+
+    from varlen_attn import execution
+    from varlen_attn.scope import Policy
+
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(3, 9, 2, 32, dtype=torch.float64, generator=g) for _ in range(3))
     keep = torch.tensor([[1] * 9, [0, 1, 1, 0, 1, 1, 1, 1, 0], [0] * 9], dtype=torch.bool)
+    opts = execution.Options()
     for mask in (keep, keep[:, None, :, None] & keep[:, None, None, :]):
+        plan = va.build_plan(mask)
+        fused = execution.route(q, k, v, plan, None, opts, Policy.of("flash_attn_4"))
+        assert fused.fused
         results = []
-        for fused in (True, False):
-            monkeypatch.setattr(va.functional, "FUSED", fused)
+        for r in (fused, dataclasses.replace(fused, fused=False)):
             qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-            out = va.attention(qq, kk, vv, mask, backend="flash_attn_4")
+            out = execution.run(qq, kk, vv, plan, None, r, opts)
             (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out).sin()).sum().backward()
             results.append([out.detach(), qq.grad, kk.grad, vv.grad])
         for a, b in zip(*results):

@@ -87,41 +87,44 @@ def test_padding_errors_name_the_argument(call, match):
         call()
 
 
-@pytest.mark.parametrize("mode", ["index_copy", "inverse_gather"])
-def test_scatter_modes_are_identical(monkeypatch, mode):
-    """unpack and pack's backward give bit-identical results with either scatter implementation."""
-    import importlib
-
-    pack_mod = importlib.import_module("varlen_attn.pack")
-
+def test_unpack_and_pack_backward_equal_a_scatter_into_zeros():
+    """unpack (a gather through the plan's inverse index plus a fill of the padding rows) and
+    pack's backward are bit-identical to the plain definition: zeros, then index_copy_."""
     keep = torch.rand(3, 17, generator=torch.Generator().manual_seed(3)) > 0.4
     keep[2] = False
     plan = va.build_plan(keep[:, None, :, None] & keep[:, None, None, :], convention="torch")
     x = torch.randn(3, 17, 2, 5, dtype=torch.float64, requires_grad=True)
-    monkeypatch.setattr(pack_mod, "SCATTER", mode)
-    out = va.unpack(va.pack(x, plan, "q") * 3, plan, "q")
-    out.backward(torch.ones_like(out))
+    packed = va.pack(x, plan, "q")
+    out = va.unpack(packed * 3, plan, "q")
+    g = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    out.backward(g)
+    flat_rows = 3 * 17
+    want = torch.zeros(flat_rows, 2, 5, dtype=torch.float64).index_copy_(0, plan.indices_q, 3 * packed.detach())
+    assert torch.equal(out.detach(), want.view(3, 17, 2, 5))
+    want_grad = torch.zeros(flat_rows, 2, 5, dtype=torch.float64).index_copy_(
+        0, plan.indices_q, 3 * g.flatten(0, 1)[plan.indices_q])
+    assert torch.equal(x.grad, want_grad.view(3, 17, 2, 5))
     valid = (keep & keep.any(-1, keepdim=True))[..., None, None]
-    assert torch.equal(out, torch.where(valid, 3 * x.detach(), 0.0))
-    assert torch.equal(x.grad, torch.where(valid, 3.0, 0.0).expand_as(x))
+    assert torch.equal(out.detach(), torch.where(valid, 3 * x.detach(), 0.0))
 
 
 @pytest.mark.parametrize("kind", ["outer", "key_padding"])
-def test_fused_qkv_pack_equals_separate(monkeypatch, kind):
-    """pack_qkv's one-node gather gives the same outputs and q/k/v gradients as three packs."""
-    import importlib
+def test_pack_qkv_equals_three_packs(kind):
+    """pack_qkv's one-node gather gives the same tensors and q/k/v gradients as three packs."""
+    from varlen_attn.pack import pack_qkv
 
-    pack_mod = importlib.import_module("varlen_attn.pack")
     g = torch.Generator().manual_seed(5)
     keep = torch.rand(3, 11, generator=g) > 0.3
     mask = keep[:, None, :, None] & keep[:, None, None, :] if kind == "outer" else keep[:, None, None, :]
-    q, k, v = (torch.randn(3, 2, 11, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    plan = va.build_plan(mask, convention="torch")
+    q, k, v = (torch.randn(3, 11, 2, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    w = [torch.randn(n, 2, 8, dtype=torch.float64, generator=g) for n in (plan.total_q, plan.total_k, plan.total_k)]
     results = []
-    for mode in ("fused", "separate"):
-        monkeypatch.setattr(pack_mod, "PACK_QKV", mode)
+    for fn in (lambda a, b, c: pack_qkv(a, b, c, plan),
+               lambda a, b, c: (va.pack(a, plan, "q"), va.pack(b, plan, "k"), va.pack(c, plan, "k"))):
         qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
-        out = va.scaled_dot_product_attention(qq, kk, vv, mask, backend="reference")
-        out.backward(torch.ones_like(out))
-        results.append([out.detach(), qq.grad, kk.grad, vv.grad])
+        outs = fn(qq, kk, vv)
+        sum((o * wi).sum() for o, wi in zip(outs, w)).backward()
+        results.append([o.detach() for o in outs] + [qq.grad, kk.grad, vv.grad])
     for a, b in zip(*results):
         assert torch.equal(a, b)

@@ -1,8 +1,12 @@
 """varlen_attn: masked attention at the speed of unmasked attention, equal to masked SDPA.
 
-Layers, bottom up: ``masks`` (read a mask as segments) -> ``plan`` (once per batch, one sync)
--> ``pack`` (gather/scatter with exact autograd) -> ``kernels`` (varlen backends) ->
-``functional`` and ``padding`` (the entries users call).
+Layers, bottom up (a module imports only from layers below it; docs/design.md):
+``masks`` (a mask read as segments) -> ``plan`` (once per batch, one sync) -> ``pack``
+(gather/scatter, exact autograd) -> ``kernels`` (varlen backends) -> ``scope`` (which plan a
+mask gets) -> ``fused`` -> ``execution`` (one call with its plan: route and run) -> adapters:
+``op`` (the torch.compile custom op), ``functional``, ``hook`` (the SDPA TorchFunctionMode),
+``model`` (enable_varlen) and ``processor`` (VarlenAttnProcessor). ``padding`` stands beside
+``pack``.
 """
 
 from ._errors import (
@@ -14,11 +18,12 @@ from ._errors import (
 )
 from ._stats import reset_stats, stats
 from .functional import attention, scaled_dot_product_attention
-from .integration import VarlenAttnProcessor, disable_varlen, enable_varlen, varlen
 from .kernels import available_backends
+from .model import disable_varlen, enable_varlen, varlen
 from .pack import pack, unpack
 from .padding import pad_input, unpad_input
-from .plan import VarlenPlan, build_plan, plan_from_seqlens
+from .plan import VarlenPlan, build_plan, clear_plan_cache, plan_from_seqlens
+from .processor import VarlenAttnProcessor
 
 __version__ = "0.1.0"
 
@@ -33,6 +38,7 @@ __all__ = [
     "attention",
     "available_backends",
     "build_plan",
+    "clear_plan_cache",
     "disable_varlen",
     "enable_varlen",
     "pack",

@@ -2,6 +2,8 @@
 
 Counters are plain ints behind a lock; reading them never touches a tensor. Each distinct
 fallback reason is logged once as a warning (then at DEBUG level), not once per call.
+Calls are counted where they run: eagerly, or inside the custom op under ``torch.compile``;
+code being traced by dynamo records nothing (a lock cannot be traced).
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
+
+import torch
 
 logger = logging.getLogger("varlen_attn")
 
@@ -23,7 +27,7 @@ _local = threading.local()
 
 class quiet:
     """Within the block, this thread's attention calls are not counted: a backward that
-    recomputes a forward (varlen_attn.compiled) would otherwise count it twice."""
+    recomputes a forward (varlen_attn.op) would otherwise count it twice."""
 
     def __enter__(self):
         _local.quiet = getattr(_local, "quiet", 0) + 1
@@ -33,8 +37,12 @@ class quiet:
         return False
 
 
+def _muted() -> bool:
+    return bool(getattr(_local, "quiet", 0)) or torch.compiler.is_compiling()
+
+
 def record_backend(name: str) -> None:
-    if getattr(_local, "quiet", 0):
+    if _muted():
         return
     with _lock:
         _backends[name] += 1
@@ -42,7 +50,7 @@ def record_backend(name: str) -> None:
 
 
 def record_fallback(reason: str) -> None:
-    if getattr(_local, "quiet", 0):
+    if _muted():
         return
     with _lock:
         first = reason not in _fallbacks

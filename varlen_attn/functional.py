@@ -5,32 +5,22 @@
 * :func:`attention`: layout ``[B, S, H, D]`` (flash-attn's and diffusers' dispatch layout),
   masks read batch first (``[B, Sk]`` is key padding), and a prebuilt plan may be passed.
 
-Both: packable mask -> plan (cached per mask object) -> pack -> varlen kernel -> unpack;
-otherwise masked SDPA, with the reason recorded in :func:`varlen_attn.stats`.
+Both validate their inputs, then :func:`dispatch`: the one place where the eager and the
+traced (``torch.compile``) paths part. Eager: the plan (:func:`varlen_attn.scope.resolve_plan`)
+-> route and run (:mod:`varlen_attn.execution`). Traced: the custom op (:mod:`varlen_attn.op`),
+which does the same at run time.
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
-import torch.nn.functional as F
 
-from . import _stats
-from ._errors import BackendUnavailableError, InputTypeError, InputValueError, NotPackableError, describe
-from .kernels import SDPA, VarlenInputs, requested_backend, select
-from .kernels._base import empty_output
-from .compiled import compiled_attend
-from .fused import FusedAttention
+from . import execution, op
+from ._errors import BackendUnavailableError, InputTypeError, InputValueError, describe
+from .execution import Options
 from .masks import canonical_mask
-from .pack import pack_qkv, unpack
-from .plan import VarlenPlan, build_plan, full_plan
-
-
-# Backends with their own backward run pack + kernel + unpack as one autograd node
-# (varlen_attn.fused); False composes pack_qkv, the backend's autograd forward and unpack (the
-# first version). Selectable for the side-by-side benchmark; results are identical.
-FUSED = True
+from .plan import VarlenPlan
+from .scope import Policy, current_scope, resolve_plan
 
 
 def _check_qkv(query, key, value, enable_gqa: bool, layout: str):
@@ -82,93 +72,31 @@ def _check_options(dropout_p, scale):
         raise InputTypeError(f"scale must be a float or None, got {describe(scale)}")
 
 
-def _causal_mask(mask4: torch.Tensor | None, sq: int, sk: int, device) -> torch.Tensor:
-    """``mask4`` restricted to bottom-right-aligned causal positions (bool, broadcastable)."""
-    tri = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq)
-    if mask4 is None:
-        return tri
-    if mask4.dtype == torch.bool:
-        return mask4 & tri
-    return mask4.masked_fill(~tri, float("-inf"))
+def _check_plan(plan, b: int, sq: int, sk: int, query, key) -> None:
+    if plan is None:
+        return
+    if not isinstance(plan, VarlenPlan):
+        raise InputTypeError(f"plan must be a VarlenPlan or None, got {describe(plan)}")
+    if (plan.batch_size, plan.seqlen_q, plan.seqlen_k) != (b, sq, sk):
+        raise InputValueError(
+            f"plan was built for B={plan.batch_size}, Sq={plan.seqlen_q}, Sk={plan.seqlen_k}, "
+            f"got query {tuple(query.shape)} and key {tuple(key.shape)}"
+        )
 
 
-def _masked_sdpa(q, k, v, mask4, dropout_p, causal, scale, gqa, reason):
-    """The fallback on padded ``[B, S, H, D]`` tensors, with ``reason`` recorded if given."""
-    if reason is not None:
-        _stats.record_fallback(reason)
-    _stats.record_backend(SDPA)
-    sq, sk = q.shape[1], k.shape[1]
-    if causal and (mask4 is not None or sq != sk):
-        mask4, causal = _causal_mask(mask4, sq, sk, q.device), False
-    out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask4,
-        dropout_p=dropout_p, is_causal=causal, scale=scale, enable_gqa=gqa,
-    )
-    return out.transpose(1, 2)
-
-
-def _sdpa_mask(plan: VarlenPlan, mask4: torch.Tensor | None) -> torch.Tensor | None:
-    """The mask as SDPA must see it. Converted only on the SDPA paths: the packed path never
-    reads the mask, so a float 0/1 mask read as boolean costs nothing per packed layer."""
-    return mask4 != 0 if plan.read_as_bool and mask4 is not None else mask4
-
-
-def _route(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, strict):
-    """Where a call goes: ``(impl, None, probe)`` for a varlen backend, ``(None, reason, None)``
-    for masked SDPA (``reason`` None when SDPA was asked for). Raises where the caller's choice
-    cannot be honoured. ``probe`` holds per-token views (selection reads heads, head dim,
-    dtype and device only), the plan and the options."""
-    name = backend
-    reason = None
-    if not plan.packable:
-        reason = plan.reason
-    elif causal and not (plan.self_aligned or (plan.q_identity and plan.k_identity)):
-        reason = "causal with queries and keys in different segment positions"
-    if reason is not None:
-        if strict:
-            raise NotPackableError(reason)
-        if name not in ("auto", SDPA):
-            raise BackendUnavailableError(f"backend {name!r} needs a packable mask: {reason}")
-        if mask4 is None and not plan.packable:
-            raise InputValueError(f"plan is not packable ({reason}); pass attn_mask so SDPA can run")
-        return None, (reason if name == "auto" else None), None
-    if name == SDPA:
-        return None, None, None
-    if q.device != plan.device:
-        raise InputValueError(f"plan was built on {plan.device}, query is on {q.device}")
-    probe = VarlenInputs(
-        q=q.select(1, 0), k=k.select(1, 0), v=v.select(1, 0), plan=plan,
-        scale=q.shape[-1] ** -0.5 if scale is None else float(scale),
-        causal=causal, dropout_p=float(dropout_p),
-    )
-    return select(probe, name), None, probe
-
-
-def _fusable(impl, plan, dropout_p) -> bool:
-    return FUSED and impl.NATIVE_BACKWARD and plan.total_q > 0 and not dropout_p
-
-
-def _attend(q, k, v, plan, mask4, *, dropout_p, causal, scale, gqa, backend, strict):
-    """Core on ``[B, S, H, D]`` tensors: the varlen path, or masked SDPA with the reason.
-    ``backend`` is already resolved by the caller (``requested_backend``)."""
-    route = _route(q, k, v, plan, mask4, dropout_p=dropout_p, causal=causal, scale=scale, gqa=gqa,
-                   backend=backend, strict=strict)
-    return _execute(q, k, v, plan, mask4, route, dropout_p=dropout_p, causal=causal, scale=scale, gqa=gqa)
-
-
-def _execute(q, k, v, plan, mask4, route, *, dropout_p, causal, scale, gqa):
-    """Run what :func:`_route` decided."""
-    impl, reason, probe = route
-    if impl is None:
-        return _masked_sdpa(q, k, v, _sdpa_mask(plan, mask4), dropout_p, causal, scale, gqa, reason)
-    _stats.record_backend(impl.NAME)
-    if _fusable(impl, plan, dropout_p):
-        return FusedAttention.apply(q, k, v, plan, impl, probe.scale, causal)
-    qp, kp, vp = pack_qkv(q, k, v, plan)
-    inp = dataclasses.replace(probe, q=qp, k=kp, v=vp)
-    # Every query masked (caption dropout on a whole batch): nothing for a kernel to do.
-    out = empty_output(inp) if plan.total_q == 0 else impl.forward(inp)
-    return unpack(out, plan, "q")
+def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
+             policy: Policy) -> torch.Tensor:
+    """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced."""
+    if torch.compiler.is_compiling():
+        if mask is None and plan is None and policy.unmasked_is_sdpa:
+            return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA, inside the graph
+        return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
+    b, sq, h, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+    plan = resolve_plan(mask, batch=b, heads=h, seqlen_q=sq, seqlen_k=sk, device=q.device,
+                        convention=convention, policy=policy, plan=plan, scope=current_scope())
+    mask4 = None if mask is None else canonical_mask(mask, batch_size=b, num_heads=h, seqlen_q=sq,
+                                                     seqlen_k=sk, convention=convention)
+    return execution.attend(q, k, v, plan, mask4, opts, policy)
 
 
 def scaled_dot_product_attention(
@@ -203,38 +131,32 @@ def scaled_dot_product_attention(
 
     Equivalent PyTorch: ``F.scaled_dot_product_attention(query, key, value, attn_mask, ...)``.
     """
-    b, sq, sk, hq, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
+    return sdpa_with_policy(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                            policy=Policy.of(backend, strict), plan=plan)
+
+
+def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                     enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None) -> torch.Tensor:
+    """:func:`scaled_dot_product_attention` with a ready :class:`~varlen_attn.scope.Policy`
+    (what ``enable_varlen``'s hook calls)."""
+    b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
     _check_options(dropout_p, scale)
+    _check_plan(plan, b, sq, sk, query, key)
     if attn_mask is not None and is_causal:
         raise InputValueError("attn_mask and is_causal=True cannot both be set (as in SDPA), got both")
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    if torch.compiler.is_compiling() and (attn_mask is not None or plan is not None or
-                                          backend not in (None, "auto", SDPA)):
-        out = compiled_attend(q, k, v, attn_mask, plan=plan, convention="torch", dropout_p=dropout_p,
-                              causal=is_causal, scale=scale, gqa=enable_gqa, backend=backend, strict=strict)
-        return out.transpose(1, 2)
-    name = requested_backend(backend)
-    if attn_mask is None:
-        if name in ("auto", SDPA) and not strict:
-            _stats.record_backend(SDPA)
-            return F.scaled_dot_product_attention(
-                query, key, value, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                enable_gqa=enable_gqa,
-            )
-        if is_causal and sq != sk:
+    if is_causal and sq != sk and attn_mask is None and plan is None:
+        # SDPA's is_causal is top-left aligned; varlen kernels align bottom-right.
+        if not policy.unmasked_is_sdpa:
             raise BackendUnavailableError(
-                f"backend {name!r}: SDPA's is_causal is top-left aligned, varlen kernels align "
-                f"bottom-right; they differ when Sq != Sk (got Sq={sq}, Sk={sk})"
+                f"backend {policy.backend!r}: SDPA's is_causal is top-left aligned, varlen kernels "
+                f"align bottom-right; they differ when Sq != Sk (got Sq={sq}, Sk={sk})"
             )
-        plan, mask4 = full_plan(b, sq, sk, query.device), None
-    else:
-        if plan is None:
-            plan = build_plan(attn_mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=hq,
-                              convention="torch")
-        mask4 = canonical_mask(attn_mask, batch_size=b, num_heads=hq, seqlen_q=sq, seqlen_k=sk,
-                               convention="torch")
-    out = _attend(q, k, v, plan, mask4, dropout_p=dropout_p, causal=is_causal, scale=scale,
-                  gqa=enable_gqa, backend=name, strict=strict)
+        tri = execution.causal_mask(None, sq, sk, query.device, top_left=True)
+        out = execution.masked_sdpa(q, k, v, tri, Options(scale, False, dropout_p, enable_gqa))
+        return out.transpose(1, 2)
+    out = dispatch(q, k, v, attn_mask, convention="torch", plan=plan,
+                   opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=policy)
     return out.transpose(1, 2)
 
 
@@ -270,29 +192,8 @@ def attention(
     Equivalent PyTorch: ``F.scaled_dot_product_attention(q.transpose(1, 2), ...,
     attn_mask=<mask as [B, 1, 1|Sq, Sk]>).transpose(1, 2)``.
     """
-    b, sq, sk, hq, _ = _check_qkv(query, key, value, enable_gqa, "bshd")
+    b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bshd")
     _check_options(dropout_p, scale)
-    if plan is not None and not isinstance(plan, VarlenPlan):
-        raise InputTypeError(f"plan must be a VarlenPlan or None, got {describe(plan)}")
-    if plan is not None and (plan.batch_size, plan.seqlen_q, plan.seqlen_k) != (b, sq, sk):
-        raise InputValueError(
-            f"plan was built for B={plan.batch_size}, Sq={plan.seqlen_q}, Sk={plan.seqlen_k}, "
-            f"got query {tuple(query.shape)} and key {tuple(key.shape)} ([B, S, H, D])"
-        )
-    if torch.compiler.is_compiling() and (attn_mask is not None or plan is not None or
-                                          backend not in (None, "auto", SDPA)):
-        return compiled_attend(query, key, value, attn_mask, plan=plan, convention="model",
-                               dropout_p=dropout_p, causal=is_causal, scale=scale, gqa=enable_gqa,
-                               backend=backend, strict=strict)
-    name = requested_backend(backend)
-    mask4 = None
-    if attn_mask is not None:
-        mask4 = canonical_mask(attn_mask, batch_size=b, num_heads=hq, seqlen_q=sq, seqlen_k=sk)
-    if plan is None:
-        if attn_mask is None and name in ("auto", SDPA) and not strict:
-            return _masked_sdpa(query, key, value, None, dropout_p, is_causal, scale, enable_gqa, None)
-        plan = (full_plan(b, sq, sk, query.device) if attn_mask is None else
-                build_plan(attn_mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=hq))
-    return _attend(query, key, value, plan, mask4, dropout_p=dropout_p, causal=is_causal,
-                   scale=scale, gqa=enable_gqa, backend=name, strict=strict)
-
+    _check_plan(plan, b, sq, sk, query, key)
+    return dispatch(query, key, value, attn_mask, convention="model", plan=plan,
+                    opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=Policy.of(backend, strict))

@@ -13,15 +13,11 @@ from ._errors import InputValueError
 from .plan import VarlenPlan
 
 
-# How a scatter is done. "inverse_gather": out = y[inverse] then zero the padding rows, an
-# index_select (a fast gather) plus a fill of only the padding rows; "index_copy": zeros of the
-# full size, then index_copy_ (a slower scatter kernel, and a full zero-fill). Selectable for the
-# side-by-side benchmark; results are identical.
-SCATTER = "inverse_gather"
-
-
 def _scatter(y, indices, rows, inverse=None, padding=None):
-    if inverse is None or SCATTER != "inverse_gather" or y.shape[0] == 0:
+    """Zeros of ``[rows, ...]`` with ``out[indices] = y``. With the plan's inverse index it is a
+    gather plus a fill of only the padding rows: faster than ``index_copy_`` into a zero-filled
+    tensor (a slower scatter kernel and a full fill; benchmarks/NOTES.md, change 2)."""
+    if inverse is None or y.shape[0] == 0:
         out = y.new_zeros((rows,) + tuple(y.shape[1:]))
         return out.index_copy_(0, indices, y)
     out = y.index_select(0, inverse)
@@ -55,7 +51,8 @@ class _Scatter(torch.autograd.Function):
 
 class _PackQKV(torch.autograd.Function):
     """q, k, v gathered in one autograd node (and their gradients scattered in one backward):
-    fewer Python-level autograd calls per attention layer, the same kernels."""
+    fewer Python-level autograd calls per attention layer than three, the same kernels
+    (benchmarks/NOTES.md, change 3)."""
 
     @staticmethod
     def forward(ctx, q, k, v, q_side, k_side):
@@ -75,15 +72,9 @@ class _PackQKV(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-# Pack q, k, v in one autograd node ("fused") or one node each ("separate", the first version).
-PACK_QKV = "fused"
-
-
 def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan):
     """``(pack(q, plan, "q"), pack(k, plan, "k"), pack(v, plan, "k"))`` in one autograd node.
     The backward is first-order only (use :func:`pack` for higher-order gradients)."""
-    if PACK_QKV != "fused":
-        return pack(q, plan, "q"), pack(k, plan, "k"), pack(v, plan, "k")
     sides = []
     for x, which in ((q, "q"), (k, "k")):
         indices, seqlen, identity, inverse, padding = _side(plan, which)

@@ -8,12 +8,12 @@ copies of every segment length. Using a plan never syncs.
 
 Plans are cached by mask tensor *object* (and its in-place version counter): every layer that
 is handed the same mask tensor gets the same plan without rebuilding it.
+:func:`clear_plan_cache` empties that cache; ``build_plan(..., cache=False)`` bypasses it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -64,6 +64,10 @@ class VarlenPlan:
             an SDPA fallback must then use ``mask != 0``.
         inverse_q/k, padding_q/k: padded position -> packed row (0 for padding) and the padding
             positions, int64 on the device, so unpacking is a gather plus a fill of the padding.
+        token: a one-element CPU tensor that stands for this plan where only tensors can go
+            (a ``torch.compile`` graph passes it to the custom op in :mod:`varlen_attn.op`); it
+            holds no number anyone reads and refers back to the plan weakly, so it is not a
+            registry and keeps nothing alive.
     """
 
     batch_size: int
@@ -91,14 +95,12 @@ class VarlenPlan:
     inverse_k: torch.Tensor | None = None
     padding_q: torch.Tensor | None = None
     padding_k: torch.Tensor | None = None
-    # A CPU int64 tensor naming this plan (see plan_by_handle): what torch.compile'd code passes
-    # to varlen_attn's custom op instead of the plan's host numbers, so no value is specialized.
-    handle: torch.Tensor = dataclasses.field(init=False, repr=False)
+    token: torch.Tensor = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
-        ident = next(_plan_ids)
-        object.__setattr__(self, "handle", torch.tensor([ident], dtype=torch.int64))
-        _PLANS[ident] = self
+        token = torch.zeros(1, dtype=torch.int64)
+        token._varlen_plan = weakref.ref(self)
+        object.__setattr__(self, "token", token)
 
     @property
     def num_segments(self) -> int:
@@ -114,13 +116,10 @@ class VarlenPlan:
         )
 
 
-_plan_ids = itertools.count(1)
-_PLANS: "weakref.WeakValueDictionary[int, VarlenPlan]" = weakref.WeakValueDictionary()
-
-
-def plan_by_handle(ident: int) -> VarlenPlan | None:
-    """The live plan whose ``handle`` holds ``ident``, or None once it was freed."""
-    return _PLANS.get(ident)
+def plan_of_token(token: torch.Tensor) -> VarlenPlan | None:
+    """The plan whose :attr:`VarlenPlan.token` is ``token`` (the same tensor object), or None."""
+    ref = getattr(token, "_varlen_plan", None)
+    return None if ref is None else ref()
 
 
 def _host(t: torch.Tensor) -> list[int]:
@@ -149,6 +148,7 @@ def build_plan(
     strict: bool = False,
     device: torch.device | str | None = None,
     float01_as_bool: bool = False,
+    cache: bool = True,
 ) -> VarlenPlan:
     """Turn a mask into a :class:`VarlenPlan`, with at most one device-to-host sync.
 
@@ -165,6 +165,8 @@ def build_plan(
         float01_as_bool: read a float mask whose values are all 0 or 1, with at least one 1, as
             boolean (1 = keep) instead of SDPA's additive reading; decided on the device and read
             in the same single sync (``plan.read_as_bool`` tells which reading was taken).
+        cache: look the plan up in, and store it into, the cache keyed by mask object;
+            False always builds (one sync) and leaves the cache untouched.
 
     Returns:
         A frozen plan. Cached by mask object: calling again with the same unmodified mask
@@ -189,10 +191,11 @@ def build_plan(
         seqlen_q = attn_mask.shape[-2] if attn_mask.dim() >= 3 and attn_mask.shape[-2] > 1 else seqlen_k
     float01_as_bool = bool(float01_as_bool) and attn_mask.is_floating_point()
     key = (batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool)
-    plan = _CACHE.get(attn_mask, key)
+    plan = _CACHE.get(attn_mask, key) if cache else None
     if plan is None:
         plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool)
-        _CACHE.put(attn_mask, key, plan)
+        if cache:
+            _CACHE.put(attn_mask, key, plan)
     if strict and not plan.packable:
         raise NotPackableError(plan.reason)
     return plan
@@ -395,3 +398,10 @@ class _PlanCache:
 
 
 _CACHE = _PlanCache()
+
+
+def clear_plan_cache() -> None:
+    """Forget every plan cached by :func:`build_plan` (the next call on any mask builds anew),
+    and the cached all-valid plans. Plans already handed out stay valid."""
+    _CACHE.clear()
+    _FULL_PLANS.clear()

@@ -6,8 +6,6 @@ Needs nothing beyond torch. Each call is unmasked, so SDPA can take its fastest 
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 import torch.nn.functional as F
 
@@ -17,25 +15,15 @@ from ._base import Backend, VarlenInputs, empty_output
 class SplitSdpaBackend(Backend):
     NAME = "split_sdpa"
 
-    # "split" cuts the packed tensors with torch.split, whose backward is one cat; "slice" (the
-    # first version) used one slice per segment, whose backward zero-fills a full-size gradient
-    # and adds it, once per segment and tensor. Kept selectable for the side-by-side benchmark.
-    CUT = "split"
-
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
         p = inp.plan
         gqa = inp.q.shape[1] != inp.k.shape[1]
         outs = []
-        if self.CUT == "split":
-            qs = torch.split(inp.q, list(p.seqlens_q))
-            ks = torch.split(inp.k, list(p.seqlens_k))
-            vs = torch.split(inp.v, list(p.seqlens_k))
-        else:
-            cq = [0, *itertools.accumulate(p.seqlens_q)]
-            ck = [0, *itertools.accumulate(p.seqlens_k)]
-            qs = [inp.q[a:b] for a, b in zip(cq, cq[1:])]
-            ks = [inp.k[a:b] for a, b in zip(ck, ck[1:])]
-            vs = [inp.v[a:b] for a, b in zip(ck, ck[1:])]
+        # torch.split, not one slice per segment: split's backward is one cat, while each
+        # slice's backward zero-fills a full-size gradient (benchmarks/NOTES.md, change 1).
+        qs = torch.split(inp.q, list(p.seqlens_q))
+        ks = torch.split(inp.k, list(p.seqlens_k))
+        vs = torch.split(inp.v, list(p.seqlens_k))
         for q, k, v in zip(qs, ks, vs):
             lq, lk = q.shape[0], k.shape[0]
             # [L, H, D] -> [1, H, L, D], SDPA's layout.

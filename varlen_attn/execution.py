@@ -1,0 +1,148 @@
+"""One attention call with its plan in hand: where it goes (:func:`route`) and running it.
+
+Tensors here are padded ``[B, S, H, D]`` (flash-attn's layout). A call goes one of three ways:
+
+* **fused**: a backend with its own backward (``Backend.NATIVE_BACKWARD``, FA4) runs pack +
+  kernel + unpack as one autograd node (:mod:`varlen_attn.fused`);
+* **packed**: pack q, k, v, the backend's forward under autograd, unpack;
+* **masked SDPA** on the padded tensors: no mask at all, ``backend="sdpa"``, or a mask that
+  cannot be packed (the reason goes to :func:`varlen_attn.stats`).
+
+The route is decided once per call; the custom op (:mod:`varlen_attn.op`) keeps it for the
+call's backward. :func:`masked_sdpa` is the library's one call of masked SDPA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from . import _stats
+from ._errors import BackendUnavailableError, InputValueError, NotPackableError
+from .fused import FusedAttention, packed_backward, packed_forward
+from .kernels import SDPA, Backend, VarlenInputs, select
+from .kernels._base import empty_output
+from .pack import gather_packed, pack_qkv, scatter_packed, unpack
+from .plan import VarlenPlan
+
+
+@dataclass(frozen=True)
+class Options:
+    """The per-call options of SDPA. ``causal`` is bottom-right aligned (flash-attn's
+    convention; top-left and bottom-right agree when ``Sq == Sk``)."""
+
+    scale: float | None = None
+    causal: bool = False
+    dropout_p: float = 0.0
+    gqa: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class Route:
+    """Where one call goes. ``impl`` None: masked SDPA, with ``reason`` when that is a fallback
+    (None when SDPA was asked for or there is no mask)."""
+
+    impl: Backend | None
+    reason: str | None = None
+    scale: float = 0.0  # the softmax scale the varlen kernel uses
+    fused: bool = False  # one autograd node (impl has its own backward)
+
+
+def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Options, policy) -> Route:
+    """Decide where a call goes. ``plan`` None means there is no mask. Raises where the policy
+    cannot be honoured: ``strict`` with an unpackable mask, an explicit varlen backend that
+    cannot run the inputs or the mask."""
+    if plan is None:
+        return Route(None)
+    reason = None
+    if not plan.packable:
+        reason = plan.reason
+    elif opts.causal and not (plan.self_aligned or (plan.q_identity and plan.k_identity)):
+        reason = "causal with queries and keys in different segment positions"
+    name = policy.backend
+    if reason is not None:
+        if policy.strict:
+            raise NotPackableError(reason)
+        if name not in ("auto", SDPA):
+            raise BackendUnavailableError(f"backend {name!r} needs a packable mask: {reason}")
+        if mask4 is None:
+            raise InputValueError(f"plan is not packable ({reason}); pass attn_mask so SDPA can run")
+        return Route(None, reason if name == "auto" else None)
+    if name == SDPA:
+        return Route(None)
+    if q.device != plan.device:
+        raise InputValueError(f"plan was built on {plan.device}, query is on {q.device}")
+    scale = q.shape[-1] ** -0.5 if opts.scale is None else float(opts.scale)
+    # Selection reads heads, head dim, dtype and device: per-token views are enough.
+    probe = VarlenInputs(q.select(1, 0), k.select(1, 0), v.select(1, 0), plan, scale, opts.causal, opts.dropout_p)
+    impl = select(probe, name)
+    fused = impl.NATIVE_BACKWARD and plan.total_q > 0 and not opts.dropout_p
+    return Route(impl, None, scale, fused)
+
+
+def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> torch.Tensor:
+    """Run the route ``r`` with autograd; ``[B, Sq, Hq, Dv]``."""
+    if r.impl is None:
+        return masked_sdpa(q, k, v, sdpa_mask(plan, mask4), opts, r.reason)
+    _stats.record_backend(r.impl.NAME)
+    if r.fused:
+        return FusedAttention.apply(q, k, v, plan, r.impl, r.scale, opts.causal)
+    qp, kp, vp = pack_qkv(q, k, v, plan)
+    inp = VarlenInputs(qp, kp, vp, plan, r.scale, opts.causal, opts.dropout_p)
+    # Every query masked (caption dropout on a whole batch): nothing for a kernel to do.
+    out = empty_output(inp) if plan.total_q == 0 else r.impl.forward(inp)
+    return unpack(out, plan, "q")
+
+
+def attend(q, k, v, plan: VarlenPlan | None, mask4, opts: Options, policy) -> torch.Tensor:
+    """:func:`route` then :func:`run`."""
+    return run(q, k, v, plan, mask4, route(q, k, v, plan, mask4, opts, policy), opts)
+
+
+def forward_lse(q, k, v, plan: VarlenPlan, r: Route, opts: Options):
+    """A fused route's forward without autograd: ``(out [B, Sq, Hq, Dv], lse [Hq, total_q])``."""
+    _stats.record_backend(r.impl.NAME)
+    _, out, lse = packed_forward(r.impl, q, k, v, plan, r.scale, opts.causal)
+    return scatter_packed(out, plan, "q"), lse
+
+
+def backward_native(dout, q, k, v, out, lse, plan: VarlenPlan, r: Route, opts: Options):
+    """A fused route's backward from padded tensors (re-gathered): padded ``(dq, dk, dv)``."""
+    packed = [gather_packed(t, plan, w) for t, w in ((q, "q"), (k, "k"), (v, "k"), (out, "q"))]
+    inp = VarlenInputs(*packed[:3], plan, r.scale, opts.causal)
+    return packed_backward(r.impl, inp, packed[3], lse, dout)
+
+
+def sdpa_mask(plan: VarlenPlan | None, mask4: torch.Tensor | None) -> torch.Tensor | None:
+    """The mask as SDPA must see it. A float 0/1 mask read as boolean is converted only here,
+    on the SDPA path: the packed path never reads the mask, so that costs nothing per layer."""
+    return mask4 != 0 if plan is not None and plan.read_as_bool and mask4 is not None else mask4
+
+
+def causal_mask(mask4: torch.Tensor | None, sq: int, sk: int, device, top_left: bool = False) -> torch.Tensor:
+    """``mask4`` restricted to causal positions, bottom-right aligned unless ``top_left``."""
+    tri = torch.ones(sq, sk, dtype=torch.bool, device=device).tril(0 if top_left else sk - sq)
+    if mask4 is None:
+        return tri
+    if mask4.dtype == torch.bool:
+        return mask4 & tri
+    return mask4.masked_fill(~tri, float("-inf"))
+
+
+def masked_sdpa(q, k, v, mask4, opts: Options, reason: str | None = None) -> torch.Tensor:
+    """SDPA on padded ``[B, S, H, D]`` tensors with ``mask4`` (None: no mask), ``reason``
+    recorded as a fallback when given. Causal is bottom-right aligned, as everywhere here."""
+    if reason is not None:
+        _stats.record_fallback(reason)
+    _stats.record_backend(SDPA)
+    sq, sk = q.shape[1], k.shape[1]
+    causal = opts.causal
+    if causal and (mask4 is not None or sq != sk):
+        mask4, causal = causal_mask(mask4, sq, sk, q.device), False
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask4,
+        dropout_p=opts.dropout_p, is_causal=causal, scale=opts.scale, enable_gqa=opts.gqa,
+    )
+    return out.transpose(1, 2)

@@ -1,0 +1,86 @@
+"""The SDPA hook: a :class:`torch.overrides.TorchFunctionMode` active for one enabled forward.
+
+It does two things, on the thread that runs the forward only:
+
+1. It routes every ``F.scaled_dot_product_attention`` call to varlen_attn's drop-in with the
+   scope's policy: diffusers processors that go through ``dispatch_attention_fn`` (native
+   backend), legacy processors that call SDPA directly (Sana, PixArt), direct calls
+   (HunyuanVideo's token refiner). No processor code is copied.
+2. Eagerly, it records how tensors are derived from the scope's mask inputs
+   (:meth:`varlen_attn.scope.Scope.derive`), so that masks re-derived in every block share one
+   plan. That is Python on every torch function the forward calls: the price of the mode
+   (docs/design.md measures it).
+
+Under ``torch.compile`` the mode is traced by dynamo: it records no derivations (that would
+break the graph; the custom op finds plans at run time) and re-issues Tensor methods as method
+calls, because dynamo cannot inline Python-level methods such as ``Tensor.unflatten``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from . import scope as scopes
+from .functional import sdpa_with_policy
+
+
+def _in_place(func) -> bool:
+    name = getattr(func, "__name__", "")
+    return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or (
+        name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__index__", "__int__", "__invert__", "__iter__"))
+
+
+class VarlenHook(TorchFunctionMode):
+    def __init__(self, scope: scopes.Scope):
+        super().__init__()
+        self.scope = scope
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy)
+        if torch.compiler.is_compiling():
+            name = getattr(func, "__name__", "")
+            if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
+                return getattr(args[0], name)(*args[1:], **kwargs)
+            return func(*args, **kwargs)
+        scope = self.scope
+        target = args[0] if args and isinstance(args[0], torch.Tensor) and _in_place(func) else None
+        if target is not None:
+            # The new content is func(old content): key it before the op bumps the version.
+            key = scope.derive(func, args, kwargs)
+            out = func(*args, **kwargs)
+            if key is not None:
+                scope.mark(target, key)
+            else:
+                scope.forget(target)
+            return out
+        out = func(*args, **kwargs)
+        if isinstance(out, torch.Tensor) and (out.dtype == torch.bool or not out.requires_grad):
+            key = scope.derive(func, args, kwargs)
+            if key is not None:
+                scope.mark(out, key)
+        return out
+
+
+class active:  # noqa: N801 - a context manager
+    """Make ``scope`` current on this thread and its hook active, unless it already is the
+    innermost (a checkpoint recomputation re-entering its forward's scope)."""
+
+    def __init__(self, scope: scopes.Scope):
+        self.scope = scope
+        self.mode = None
+
+    def __enter__(self):
+        if scopes.push(self.scope):
+            self.mode = VarlenHook(self.scope)
+            self.mode.__enter__()
+        return self.scope
+
+    def __exit__(self, *exc):
+        scopes.pop()
+        if self.mode is not None:
+            self.mode.__exit__(*exc)
+        return False

@@ -1,0 +1,207 @@
+"""``enable_varlen(model)``, ``disable_varlen(model)`` and ``varlen(model)``.
+
+``enable_varlen`` wraps the model's ``forward``. Each forward gets a
+:class:`~varlen_attn.scope.Scope` (the policy, the mask inputs, one plan per distinct mask) and
+runs under the SDPA hook (:mod:`varlen_attn.hook`). The mask inputs are the keyword arguments
+whose name contains ``mask``, also inside dicts such as Flux's ``joint_attention_kwargs``.
+
+Gradient checkpointing: the recomputation runs in backward, outside ``forward``; checkpointed
+blocks are wrapped so they re-enter the same scope (same plans, no rebuild, same kernels, so the
+recomputed tensors match). diffusers' Chroma drops ``attention_mask`` from its checkpointed
+single-block calls; with ``restore_checkpoint_mask=True`` (default) the mask the model was
+called with is passed back in, so a masked model trains the same with and without checkpointing.
+
+Under ``torch.compile`` of the whole model the wrapper itself is traced: the hook is entered with
+a scope holding the policy only (the custom op resolves plans at run time), and the checkpoint
+wrapping is done as a traceable call-time wrapper.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import weakref
+
+import torch
+
+from ._errors import InputTypeError, describe
+from .hook import VarlenHook, active
+from .scope import Policy, Scope
+
+
+class _State:
+    def __init__(self, model, backend, strict, float_mask, restore_checkpoint_mask):
+        self.model_ref = weakref.ref(model)
+        self.backend = backend
+        self.strict = strict
+        self.float_mask = float_mask
+        self.restore_checkpoint_mask = restore_checkpoint_mask
+        self.had_forward_attr = "forward" in model.__dict__
+        self.orig_forward_attr = model.__dict__.get("forward")
+        self.saved_backends: list[tuple[object, object]] = []
+        self.signature = inspect.signature(model.forward)
+
+    def policy(self) -> Policy:
+        return Policy.of(self.backend, self.strict, self.float_mask, model=True)
+
+
+def enable_varlen(
+    model: torch.nn.Module,
+    backend: str | None = "auto",
+    *,
+    strict: bool = False,
+    float_mask: str = "bool",
+    restore_checkpoint_mask: bool = True,
+):
+    """Make every masked attention inside ``model`` run packed, with one plan per forward.
+
+    Args:
+        model: a diffusers transformer, or any ``nn.Module`` whose attention calls
+            ``F.scaled_dot_product_attention`` (directly or through diffusers'
+            ``dispatch_attention_fn`` with the native backend).
+        backend: varlen backend name, ``"sdpa"`` or ``"auto"`` (None: ``$VARLEN_ATTN_BACKEND``,
+            else auto); explicit names never fall back silently.
+        strict: raise :class:`~varlen_attn.NotPackableError` on masks that cannot be packed
+            instead of running masked SDPA for them.
+        float_mask: how a float mask whose values are all 0 or 1 (with at least one 1) is read
+            when it reaches attention: ``"bool"`` (default) as a keep-mask, with one warning per
+            process; ``"bias"`` as SDPA reads it (an additive bias: not packable, masked SDPA
+            runs); ``"error"``: raise. Other additive masks keep SDPA's reading under every policy.
+        restore_checkpoint_mask: pass the model's ``attention_mask`` to checkpointed blocks that
+            diffusers calls without it (Chroma's single blocks).
+
+    Returns:
+        ``model`` itself; :func:`varlen` is the context-manager form.
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise InputTypeError(f"model must be a torch.nn.Module, got {describe(model)}")
+    backend = None if backend == "auto" else backend
+    Policy.of(backend, strict, float_mask)  # validate now, not at the first forward
+    if getattr(model, "_varlen_state", None) is not None:
+        disable_varlen(model)
+    state = _State(model, backend, strict, float_mask, restore_checkpoint_mask)
+    # diffusers routes attention to a non-native backend when one was set per processor; those
+    # (e.g. flash_varlen) bypass SDPA and some are wrong for joint sequences. Use native while enabled.
+    for module in model.modules():
+        proc = getattr(module, "processor", None)
+        if proc is not None and getattr(proc, "_attention_backend", None) is not None:
+            state.saved_backends.append((proc, proc._attention_backend))
+            proc._attention_backend = None
+    orig_forward = model.forward
+
+    @functools.wraps(orig_forward)
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():
+            return _traced_forward(model, state, orig_forward, args, kwargs)
+        return _run_forward(model, state, orig_forward, args, kwargs)
+
+    model.forward = forward
+    model._varlen_state = state
+    return model
+
+
+def disable_varlen(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`enable_varlen` exactly: the original forward and attention backends return."""
+    state = getattr(model, "_varlen_state", None)
+    if state is None:
+        return model
+    if state.had_forward_attr:
+        model.forward = state.orig_forward_attr
+    else:
+        del model.forward
+    for proc, backend in state.saved_backends:
+        proc._attention_backend = backend
+    del model._varlen_state
+    return model
+
+
+class varlen:  # noqa: N801 - a context manager named like the function it wraps
+    """``with varlen_attn.varlen(model, ...):`` enables varlen for the block, then disables it."""
+
+    def __init__(self, model: torch.nn.Module, backend: str | None = "auto", **kwargs):
+        self.model, self.backend, self.kwargs = model, backend, kwargs
+
+    def __enter__(self):
+        return enable_varlen(self.model, self.backend, **self.kwargs)
+
+    def __exit__(self, *exc):
+        disable_varlen(self.model)
+        return False
+
+
+def _run_forward(model, state: _State, orig_forward, args, kwargs):
+    scope = Scope(state.policy())
+    bound = state.signature.bind_partial(*args, **kwargs)
+    for name, value in bound.arguments.items():
+        # Mask inputs, also inside dicts such as Flux's joint_attention_kwargs={"attention_mask": m}.
+        items = value.items() if isinstance(value, dict) else [(name, value)]
+        for sub, t in items:
+            if "mask" in str(sub) and isinstance(t, torch.Tensor):
+                scope.add_root(sub if sub == name else f"{name}.{sub}", t)
+    mask = scope.roots.get("attention_mask") if state.restore_checkpoint_mask else None
+    wrapped = _wrap_checkpointing(model, mask, scope)
+    try:
+        with active(scope):
+            return orig_forward(*bound.args, **bound.kwargs)
+    finally:
+        _unwrap(wrapped)
+
+
+def _traced_forward(model, state: _State, orig_forward, args, kwargs):
+    """The forward as dynamo traces it (the whole model compiled): the hook with the policy
+    only (plans are resolved at run time inside the custom op), derivation tracking off, and the
+    checkpointed blocks given back their mask. The recomputation is part of the compiled graph,
+    so it needs no scope to re-enter."""
+    mask = kwargs.get("attention_mask") if state.restore_checkpoint_mask else None
+    wrapped = _wrap_checkpointing(model, mask if isinstance(mask, torch.Tensor) else None, None)
+    try:
+        with VarlenHook(Scope(state.policy())):
+            return orig_forward(*args, **kwargs)
+    finally:
+        _unwrap(wrapped)
+
+
+def _wrap_checkpointing(model, mask: torch.Tensor | None, scope: Scope | None):
+    """Wrap every ``_gradient_checkpointing_func``: checkpointed blocks get ``mask`` back as
+    ``attention_mask`` where diffusers left it out, and the recomputation re-enters ``scope``."""
+    wrapped = []
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if func is None or not getattr(module, "gradient_checkpointing", False):
+            continue
+
+        def ckpt(block, *args, _func=func, **kwargs):
+            if mask is not None and isinstance(block, torch.nn.Module):
+                args = _restore_mask(block, args, kwargs, mask)
+            if scope is None:
+                return _func(block, *args, **kwargs)
+
+            def run(*a, **kw):  # diffusers' helper calls ``module.__call__``: a function has one
+                with active(scope):
+                    return block(*a, **kw)
+
+            return _func(run, *args, **kwargs)
+
+        module._gradient_checkpointing_func = ckpt
+        wrapped.append((module, func))
+    return wrapped
+
+
+def _unwrap(wrapped) -> None:
+    for module, func in wrapped:
+        module._gradient_checkpointing_func = func
+
+
+def _restore_mask(block, args, kwargs, mask):
+    """Append ``mask`` as ``attention_mask`` when ``block`` takes it right after the given
+    positional arguments and the caller left it out (diffusers' checkpoint helper passes
+    positional arguments only)."""
+    try:
+        params = list(inspect.signature(block.forward).parameters)
+    except (TypeError, ValueError):
+        return args
+    if "attention_mask" in kwargs or "attention_mask" not in params:
+        return args
+    if params.index("attention_mask") == len(args):
+        return (*args, mask)
+    return args

@@ -1,0 +1,231 @@
+"""Which plan a mask gets: the caller's policy, the per-forward scope, and :func:`resolve_plan`.
+
+Every path that needs a plan asks :func:`resolve_plan`: the functional entries, the SDPA hook
+of ``enable_varlen`` (through them) and the custom op that runs under ``torch.compile``. So a
+policy (``backend``, ``strict``, ``float_mask``) means the same thing eager, with every block
+compiled and with the whole model compiled.
+
+A :class:`Scope` lives for one forward of an enabled model. It keys the mask tensors that the
+model derives from its mask inputs by *how* they were derived (the op and the keys of its
+inputs): Chroma's ``m[:, None, None, :] * m[:, None, :, None]`` in every block, Qwen-Image's
+``cat([text_mask, ones])``, Sana's ``(1 - m) * -10000``. Two masks with equal keys hold equal
+values, so every layer whose mask has the same key shares one plan: one build, one host sync
+per forward, though each block makes a new mask tensor. A mask whose derivation is unknown still
+works; it gets the plan cached for its tensor object (:func:`varlen_attn.build_plan`), which
+costs a sync when new. Results never depend on the keys; only the number of plan builds does.
+
+The scope of the running forward is thread-local (:func:`current_scope`), so two models in two
+threads never meet.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from ._errors import InputTypeError, InputValueError, describe
+from .kernels import SDPA, requested_backend
+from .plan import VarlenPlan, build_plan, full_plan
+
+logger = logging.getLogger("varlen_attn")
+
+FLOAT_POLICIES = ("bool", "bias", "error")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What the caller asked for; see :func:`varlen_attn.enable_varlen` for the meanings.
+
+    ``backend`` is already resolved (the argument, else ``$VARLEN_ATTN_BACKEND``, else
+    ``"auto"``): ``"auto"``, ``"sdpa"`` or a varlen backend name. ``model`` is True for the
+    policy of an enabled model or processor, whose ``backend`` and ``strict`` are about its
+    masked attention: there a call without a mask always runs stock SDPA.
+    """
+
+    backend: str = "auto"
+    strict: bool = False
+    float_mask: str = "bias"
+    model: bool = False
+
+    @classmethod
+    def of(cls, backend: str | None = None, strict: bool = False, float_mask: str = "bias",
+           model: bool = False) -> "Policy":
+        """Validate the arguments and resolve the backend name."""
+        if float_mask not in FLOAT_POLICIES:
+            raise InputValueError(f"float_mask must be one of {FLOAT_POLICIES}, got {float_mask!r}")
+        if not isinstance(strict, bool):
+            raise InputTypeError(f"strict must be a bool, got {describe(strict)}")
+        return cls(requested_backend(backend), strict, float_mask, model)
+
+    @property
+    def unmasked_is_sdpa(self) -> bool:
+        """A call without a mask runs plain SDPA (already the fastest kernel) instead of a
+        varlen backend over one all-valid plan: always inside a model, and for the functional
+        entries unless a varlen backend or ``strict`` was asked for."""
+        return self.model or (self.backend in ("auto", SDPA) and not self.strict)
+
+
+# -- the scope of one forward ----------------------------------------------------------------
+
+_FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.arange, torch.eye, torch.tensor,
+                        torch.ones_like, torch.zeros_like, torch.full_like})
+_LIKE = frozenset({torch.ones_like, torch.zeros_like, torch.full_like})
+# Functions whose output is not determined by their inputs: never keyed.
+_NONDETERMINISTIC = ("rand", "dropout", "bernoulli", "multinomial", "normal", "uniform", "exponential",
+                     "empty", "cauchy", "geometric", "log_normal", "random")
+
+
+class _Unkeyable(Exception):
+    pass
+
+
+class Scope:
+    """Per-forward state: the policy, derivation keys of mask tensors, the plans built from
+    them, and the model's mask inputs (``roots``, by argument name)."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.derived: dict[int, tuple] = {}
+        self.plans: dict[tuple, VarlenPlan] = {}
+        self.roots: dict[str, torch.Tensor] = {}
+
+    def add_root(self, name: str, t: torch.Tensor) -> None:
+        """A mask input of the model: the start of every derivation."""
+        self.roots[name] = t
+        self.mark(t, ("root", name))
+
+    def key_of(self, t: torch.Tensor):
+        entry = self.derived.get(id(t))
+        if entry is None or entry[0]() is not t or entry[2] != t._version:
+            return None
+        return entry[1]
+
+    def mark(self, t: torch.Tensor, key) -> None:
+        self.derived[id(t)] = (weakref.ref(t), key, t._version)
+
+    def forget(self, t: torch.Tensor) -> None:
+        self.derived.pop(id(t), None)
+
+    def _arg_key(self, a, like: bool):
+        if isinstance(a, torch.Tensor):
+            if like:  # *_like factories read only shape, dtype and device
+                return ("meta", tuple(a.shape), a.dtype, str(a.device))
+            k = self.key_of(a)
+            if k is None:
+                raise _Unkeyable
+            return ("T", k)
+        if isinstance(a, (list, tuple)):
+            return tuple(self._arg_key(x, like) for x in a)
+        if isinstance(a, slice):
+            return ("slice", a.start, a.stop, a.step)
+        if a is None or a is Ellipsis or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.Size)):
+            return a
+        raise _Unkeyable
+
+    def derive(self, func, args, kwargs):
+        """Key of ``func(*args, **kwargs)`` if every tensor input is keyed, else None."""
+        has_tensor = any(isinstance(a, torch.Tensor) for a in _flat(args, kwargs))
+        if not has_tensor and func not in _FACTORIES:
+            return None
+        name = getattr(func, "__name__", "")
+        if any(word in name for word in _NONDETERMINISTIC):
+            return None
+        try:
+            like = func in _LIKE
+            return (func, self._arg_key(tuple(args), like),
+                    tuple(sorted((k, self._arg_key(v, like)) for k, v in kwargs.items())))
+        except _Unkeyable:
+            return None
+
+
+def _flat(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from _flat(a, {})
+        else:
+            yield a
+
+
+_local = threading.local()
+
+
+def current_scope() -> Scope | None:
+    """The scope of the innermost enabled forward running on this thread, or None."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else None
+
+
+def push(scope: Scope) -> bool:
+    """Make ``scope`` current on this thread; True when it was not already the innermost."""
+    stack = _local.__dict__.setdefault("stack", [])
+    fresh = not (stack and stack[-1] is scope)
+    stack.append(scope)
+    return fresh
+
+
+def pop() -> None:
+    _local.stack.pop()
+
+
+# -- resolving a plan ------------------------------------------------------------------------
+
+_warned: set[str] = set()
+
+
+def resolve_plan(
+    mask: torch.Tensor | None,
+    *,
+    batch: int,
+    heads: int,
+    seqlen_q: int,
+    seqlen_k: int,
+    device: torch.device,
+    convention: str,
+    policy: Policy,
+    plan: VarlenPlan | None = None,
+    scope: Scope | None = None,
+) -> VarlenPlan | None:
+    """The plan an attention call runs with, or None for a call without a mask that runs plain
+    SDPA (:attr:`Policy.unmasked_is_sdpa`).
+
+    In order: the caller's ``plan``; for no mask, None or the all-valid plan; the plan ``scope``
+    already built for a mask with the same derivation key; else :func:`build_plan` (cached by
+    mask object). A float 0/1 mask is read as boolean when ``policy.float_mask`` is ``"bool"``
+    (one warning per process) and refused under ``"error"``; ``"bias"`` keeps SDPA's reading.
+    """
+    if plan is not None:
+        return plan
+    if mask is None:
+        return None if policy.unmasked_is_sdpa else full_plan(batch, seqlen_q, seqlen_k, device)
+    as_bool = policy.float_mask != "bias"
+    key = scope.key_of(mask) if scope is not None else None
+    pkey = None if key is None else (key, batch, heads, seqlen_q, seqlen_k, convention, as_bool, str(mask.device))
+    found = scope.plans.get(pkey) if pkey is not None else None
+    if found is None:
+        found = build_plan(mask, batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
+                           convention=convention, float01_as_bool=as_bool)
+        if pkey is not None:
+            scope.plans[pkey] = found
+    if found.read_as_bool:
+        _float_mask_read_as_bool(policy.float_mask, mask)
+    return found
+
+
+def _float_mask_read_as_bool(policy: str, mask: torch.Tensor) -> None:
+    if policy == "error":
+        raise InputTypeError(
+            f"a float 0/1 attention mask (dtype {mask.dtype}, shape {tuple(mask.shape)}) reached "
+            f"attention and float_mask='error'; pass a bool mask (True = keep), or choose "
+            f"float_mask='bool' (read as keep-mask) or 'bias' (SDPA's additive reading)"
+        )
+    if "float01" not in _warned:
+        _warned.add("float01")
+        logger.warning(
+            "varlen_attn: a float 0/1 attention mask reached attention (Chroma's pipeline passes "
+            "one); reading it as boolean (1 = keep), as the pipeline means it, not as SDPA's "
+            "additive bias. float_mask='bias' keeps the stock reading."
+        )
