@@ -5,7 +5,8 @@
 set -u
 bash .fa4b/install.sh || exit 3
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD:$PWD/benchmarks
+# $PWD for varlen_attn itself; benchmarks/_common.py needs no entry (python puts a script's folder first).
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD
 export PYTHONWARNINGS=ignore
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 -c "import torch, diffusers; print(torch.__version__, torch.version.cuda, diffusers.__version__)"
@@ -17,5 +18,11 @@ for s in $STEPS; do case $s in
   attention) run 200 python3 benchmarks/attention.py --json "$OUT/attention.json" --png "$OUT/attention.png" 2>&1 | tee "$OUT/attention.txt" ;;
   step) run 120 python3 benchmarks/chroma_step.py --json "$OUT/chroma_step_fa4.json" 2>&1 | tee "$OUT/chroma_step_fa4.txt" ;;
   compiled) run 150 python3 benchmarks/chroma_step.py --compile --json "$OUT/chroma_step_fa4_compiled.json" 2>&1 | tee "$OUT/chroma_step_fa4_compiled.txt" ;;
+  example) run 150 python3 examples/train_chroma.py 2>&1 | tail -8 | tee "$OUT/train_chroma.txt" ;;
+  compare) # before/after: $OLD holds the other checkout's varlen_attn (+ kernels_ref); rounds interleaved
+      for round in 1 2 3; do
+        PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/$OLD run 60 python3 benchmarks/compare_checkouts.py --label before 2>&1 | grep " ms " | tee -a "$OUT/compare.txt"
+        run 60 python3 benchmarks/compare_checkouts.py --label after 2>&1 | grep " ms " | tee -a "$OUT/compare.txt"
+      done ;;
   tests) run 330 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_models.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
 esac; done

@@ -1,0 +1,314 @@
+"""What the benchmark scripts share: shapes, inputs, timing, the kernels alone, the environment.
+
+Scripts run as ``python benchmarks/<name>.py``; Python then puts this folder first on
+``sys.path``, so ``import _common`` needs no path set-up. Only varlen_attn's public API is used.
+
+Every script takes ``--device cpu``: a smoke run on the ``tiny`` shape that checks the script
+still runs end to end. Its timings are CPU wall times of toy sizes and mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.metadata
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import varlen_attn as va
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A joint [text; image] batch: text padded to ``text`` tokens, ``lengths`` of them valid per
+    sample; every image token valid. ``cross``: image queries attend to the padded text only."""
+
+    batch: int
+    text: int
+    image: int
+    lengths: tuple[int, ...]
+    cross: bool = False
+    heads: int = 24
+    head_dim: int = 128
+
+
+SHAPES = {
+    # Chroma at 1024 px and 512 px, batch 3; the third prompt is near caption dropout.
+    "chroma1024": Shape(3, 512, 4096, (77, 300, 2)),
+    "chroma512": Shape(3, 512, 1024, (77, 300, 2)),
+    "video": Shape(1, 256, 19968, (200,)),
+    "cross": Shape(3, 300, 4096, (20, 120, 1), cross=True),
+    "tiny": Shape(3, 16, 48, (5, 12, 0), heads=2, head_dim=32),  # --device cpu smoke runs
+}
+
+
+def add_device_argument(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                    help="cuda (default), or cpu: a smoke run on the tiny shape; its timings mean nothing")
+
+
+def device_of(args: argparse.Namespace) -> torch.device:
+    """The device asked for; a clear exit when it is a GPU and there is none."""
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU; `--device cpu` runs a smoke test of the script")
+    if device.type == "cpu":
+        print("CPU smoke run: checks that the script runs; the timings below mean nothing.")
+        # Toy sizes gain nothing from threads; on a busy 2-core machine the pool slowed SDPA 100x.
+        torch.set_num_threads(1)
+    return device
+
+
+def shape_names(arg: str | None, device: torch.device, default: str) -> list[str]:
+    """``--shapes`` as a list: the argument, else ``default`` on a GPU and ``tiny`` on the CPU."""
+    names = (arg or (default if device.type == "cuda" else "tiny")).split(",")
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown:
+        raise SystemExit(f"unknown shape(s) {unknown}; known: {sorted(SHAPES)}")
+    return names
+
+
+@dataclass
+class Inputs:
+    """q ``[B, Sq, H, D]``, k and v ``[B, Sk, H, D]`` (leaves that require grad) and which tokens
+    are valid: ``q_keep [B, Sq]``, ``k_keep [B, Sk]`` (bool)."""
+
+    name: str
+    shape: Shape
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_keep: torch.Tensor
+    k_keep: torch.Tensor
+
+    @property
+    def full_mask(self) -> torch.Tensor:
+        """``[B, 1, Sq, Sk]`` bool: Chroma's outer-product mask (padded queries get zero rows)."""
+        return self.q_keep[:, None, :, None] & self.k_keep[:, None, None, :]
+
+    @property
+    def key_padding(self) -> torch.Tensor:
+        """``[B, 1, 1, Sk]`` bool."""
+        return self.k_keep[:, None, None, :]
+
+    def describe(self) -> str:
+        b, sq, h, d = self.q.shape
+        return (f"{self.name}: B={b} Sq={sq} Sk={self.k.shape[1]} H={h} D={d} {self.q.dtype}, "
+                f"text lengths {list(self.shape.lengths)}, valid q/k "
+                f"{int(self.q_keep.sum())}/{int(self.k_keep.sum())}")
+
+
+def text_keep(shape: Shape, device) -> torch.Tensor:
+    """``[B, T]`` bool: the valid text tokens."""
+    return torch.arange(shape.text, device=device)[None] < torch.tensor(shape.lengths, device=device)[:, None]
+
+
+def joint_keep(shape: Shape, device) -> torch.Tensor:
+    """``[B, T + N]`` bool: valid text tokens, then the image tokens (all valid)."""
+    image = torch.ones(shape.batch, shape.image, dtype=torch.bool, device=device)
+    return torch.cat([text_keep(shape, device), image], 1)
+
+
+def make_inputs(name: str, device: torch.device, dtype: torch.dtype | None = None, seed: int = 0) -> Inputs:
+    """Random q, k, v for ``SHAPES[name]``: bf16 on a GPU, float32 on the CPU unless ``dtype``."""
+    shape = SHAPES[name]
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    b, h, d = shape.batch, shape.heads, shape.head_dim
+    if shape.cross:  # queries: image tokens (all valid); keys and values: padded text
+        sq, sk = shape.image, shape.text
+        q_keep = torch.ones(b, sq, dtype=torch.bool, device=device)
+        k_keep = text_keep(shape, device)
+    else:
+        sq = sk = shape.text + shape.image
+        q_keep = k_keep = joint_keep(shape, device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, device=device, dtype=dtype, generator=g).requires_grad_()
+               for s in (sq, sk, sk))
+    return Inputs(name, shape, q, k, v, q_keep, k_keep)
+
+
+def packed(inp: Inputs, plan: va.VarlenPlan) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v packed once by ``plan`` into ``[total, H, D]`` leaves: the kernels' own inputs."""
+    return tuple(va.pack(x.detach(), plan, which).requires_grad_()
+                 for x, which in ((inp.q, "q"), (inp.k, "k"), (inp.v, "k")))
+
+
+# ------------------------------------------------------------------------------------------ timing
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Stopwatch:
+    """``.ms`` of the work issued inside the block: CUDA events on a GPU (waits for them at the
+    end of the block), wall time on the CPU (where ops run as they are called)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.ms = float("nan")
+
+    def __enter__(self):
+        if self.cuda:
+            self._start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            self._end.record()
+            torch.cuda.synchronize()
+            self.ms = self._start.elapsed_time(self._end)
+        else:
+            self.ms = (time.perf_counter() - self._t0) * 1e3
+        return False
+
+
+def fwd_bwd(fn):
+    """``fn()`` then a backward of ones through its output."""
+    out = fn()
+    out.backward(torch.ones_like(out))
+
+
+def median_ms(fn, device: torch.device, *, backward: bool = False, warmup: int = 3, reps: int = 20) -> float:
+    """Median ms of ``fn()`` (and its backward when ``backward``) over ``reps`` calls after
+    ``warmup``; synchronised before and after each call."""
+    times = []
+    for i in range(warmup + reps):
+        sync(device)
+        with Stopwatch(device) as sw:
+            if backward:
+                fwd_bwd(fn)
+            else:
+                fn()
+        if i >= warmup:
+            times.append(sw.ms)
+    return statistics.median(times)
+
+
+def peak_extra_mib(fn, device: torch.device, base_bytes: int) -> float:
+    """Peak memory of one forward + backward above ``base_bytes`` (the inputs), MiB; NaN off a GPU."""
+    if device.type != "cuda":
+        return float("nan")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    fwd_bwd(fn)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base_bytes) / 2**20
+
+
+def host_and_device_ms(fn, device: torch.device, iters: int = 30, warmup: int = 5) -> tuple[float, float]:
+    """``(host, device)`` ms per forward + backward over ``iters`` back-to-back iterations with no
+    sync inside the loop. Host: the time Python took to issue them. Device: CUDA events around
+    the loop (NaN on the CPU). Host >= device means the GPU waits on Python and launches."""
+    for _ in range(warmup):
+        fwd_bwd(fn)
+    sync(device)
+    with Stopwatch(device) as sw:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fwd_bwd(fn)
+        host = (time.perf_counter() - t0) / iters * 1e3
+    return host, (sw.ms / iters if device.type == "cuda" else float("nan"))
+
+
+def interleaved(paths: dict, device: torch.device, rounds: int = 7, iters: int = 30) -> dict:
+    """``{label: (host ms, device ms)}``: medians over ``rounds`` of :func:`host_and_device_ms`,
+    the paths taken in turn each round so that drift (clocks, heat) hits every path alike."""
+    samples = {label: [] for label in paths}
+    for _ in range(rounds):
+        for label, fn in paths.items():
+            samples[label].append(host_and_device_ms(fn, device, iters))
+    return {label: (statistics.median(x[0] for x in xs), statistics.median(x[1] for x in xs))
+            for label, xs in samples.items()}
+
+
+def plan_build_ms(mask: torch.Tensor, device: torch.device, reps: int = 5, **kwargs) -> float:
+    """Median ms of a real :func:`varlen_attn.build_plan` of ``mask`` (``cache=False``: never a
+    cache hit, and the cache is left as it was)."""
+    return median_ms(lambda: va.build_plan(mask, cache=False, **kwargs), device, warmup=1, reps=reps)
+
+
+def backend_of(fn) -> str:
+    """The backend(s) that ran in one call of ``fn`` (from ``varlen_attn.stats()``, which this
+    resets), with any fallback to masked SDPA named."""
+    va.reset_stats()
+    fn()
+    st = va.stats()
+    va.reset_stats()
+    names = ", ".join(st["backends"]) or "none"
+    return names + (f" (fallbacks: {st['fallbacks']})" if st["fallbacks"] else "")
+
+
+# ------------------------------------------------------------------------------ the kernels alone
+
+# varlen_attn backend name -> the module whose flash_attn_varlen_func it calls.
+_FLASH_MODULES = {"flash_attn_4": "flash_attn.cute", "flash_attn_3": "flash_attn_interface",
+                  "flash_attn": "flash_attn.flash_attn_interface"}
+
+
+def varlen_backends(device: torch.device) -> list[str]:
+    """Installed varlen_attn backends for ``device`` in auto's order, without the slow reference."""
+    return [n for n in va.available_backends(device) if n != "reference"]
+
+
+def kernel_alone(name: str, plan: va.VarlenPlan, scale: float):
+    """``fn(q, k, v) -> out`` on pre-packed ``[total, H, D]`` tensors: the kernel behind
+    varlen_attn's backend ``name``, called directly as its vendor ships it (no varlen_attn code),
+    with the plan's cu_seqlens. The floor that pack + kernel + unpack is measured against.
+    None for a backend without such a kernel (the reference)."""
+    if name in _FLASH_MODULES:
+        func = importlib.import_module(_FLASH_MODULES[name]).flash_attn_varlen_func
+        kw = dict(cu_seqlens_q=plan.cu_seqlens_q, cu_seqlens_k=plan.cu_seqlens_k,
+                  max_seqlen_q=plan.max_seqlen_q, max_seqlen_k=plan.max_seqlen_k, softmax_scale=scale)
+
+        def flash(q, k, v):
+            out = func(q, k, v, **kw)
+            return out[0] if isinstance(out, tuple) else out  # FA3 betas and FA4 return (out, lse)
+
+        return flash
+    if name == "torch":
+        from torch.nn.attention.varlen import varlen_attn
+
+        return lambda q, k, v: varlen_attn(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k,
+                                           plan.max_seqlen_q, plan.max_seqlen_k, scale=scale)
+    if name == "split_sdpa":  # one dense SDPA call per segment, cut by torch.split
+        lq, lk = list(plan.seqlens_q), list(plan.seqlens_k)
+
+        def per_segment(q, k, v):
+            outs = [F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in seg), scale=scale)[0]
+                    .transpose(0, 1) for seg in zip(q.split(lq), k.split(lk), v.split(lk))]
+            return torch.cat(outs)
+
+        return per_segment
+    return None
+
+
+# -------------------------------------------------------------------------------- the environment
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(device: torch.device) -> dict:
+    """What a result depends on: the device, torch, CUDA, the attention packages' versions and the
+    varlen_attn backends installed for the device."""
+    return {
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "varlen_attn": va.__version__,
+        "flash_attn_4": _version("flash-attn-4"),
+        "flash_attn": _version("flash-attn"),
+        "diffusers": _version("diffusers"),
+        "backends": va.available_backends(device),
+    }
