@@ -8,7 +8,8 @@ bf16, 1024 px bs3: 4096 image tokens, text padded to 512 with lengths 77/300/2 (
 to caption dropout). Three runs on the same weights and batch: stock processors with the mask,
 ``enable_varlen`` (auto backend), and the same model with no mask at all (the speed target).
 Median of ``--reps`` steps after warm-up (CUDA events); the first step's outputs are compared.
-cuDNN SDPA is disabled for all runs: with torch 2.11 it failed inside this model (CONTEXT.md).
+cuDNN SDPA is disabled for all runs: with torch 2.11 it failed inside this model
+(docs/versions.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything measured on the device in one call, most important first (each step time-boxed).
-# Before it: `bash .fa4a/stage.sh` (carry .fa4a); this call carries .fa4b and .whl
-# (see ../shared/tools/device-wheels.sh). Results land in $OUT. Steps: $STEPS (default all).
+# Before it: `bash .fa4a/stage.sh` (carry .fa4a); this call carries .fa4b and .whl: the
+# flash-attn-4 wheels split in two halves (.fa4a, .fa4b: the first half staged to /tmp/fa4 by one
+# call, installed with the second by .fa4b/install.sh) and the diffusers wheels (.whl), all
+# prepared outside the project. Results land in $OUT. Steps: $STEPS (default all).
 set -u
 bash .fa4b/install.sh || exit 3
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl

@@ -182,7 +182,7 @@ def main():
     dtype = DTYPES[args.dtype or ("bfloat16" if gpu else "float64")]
     size = dict(SIZES["cuda" if gpu else "cpu"])
     size.update({k: v for k in ("width", "heads", "batch", "text", "image") if (v := getattr(args, k))})
-    if gpu:  # cuDNN SDPA failed inside diffusers models on torch 2.11 (see CONTEXT.md); stock runs without it
+    if gpu:  # cuDNN SDPA failed inside diffusers models on torch 2.11 (docs/versions.md); stock runs without it
         torch.backends.cuda.enable_cudnn_sdp(False)
     elif "OMP_NUM_THREADS" not in os.environ:
         # A model this small gains nothing from threads, and on a busy 2-core machine torch's

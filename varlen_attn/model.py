@@ -47,7 +47,7 @@ class _State:
 
 def enable_varlen(
     model: torch.nn.Module,
-    backend: str | None = "auto",
+    backend: str | None = None,
     *,
     strict: bool = False,
     float_mask: str = "bool",
@@ -59,8 +59,9 @@ def enable_varlen(
         model: a diffusers transformer, or any ``nn.Module`` whose attention calls
             ``F.scaled_dot_product_attention`` (directly or through diffusers'
             ``dispatch_attention_fn`` with the native backend).
-        backend: varlen backend name, ``"sdpa"`` or ``"auto"`` (None: ``$VARLEN_ATTN_BACKEND``,
-            else auto); explicit names never fall back silently.
+        backend: a varlen backend name, ``"sdpa"`` or ``"auto"``; None (default) reads
+            ``$VARLEN_ATTN_BACKEND`` at every forward, else auto, as the functional entries do.
+            Explicit names never fall back silently.
         strict: raise :class:`~varlen_attn.NotPackableError` on masks that cannot be packed
             instead of running masked SDPA for them.
         float_mask: how a float mask whose values are all 0 or 1 (with at least one 1) is read
@@ -75,7 +76,6 @@ def enable_varlen(
     """
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {describe(model)}")
-    backend = None if backend == "auto" else backend
     Policy.of(backend, strict, float_mask)  # validate now, not at the first forward
     if getattr(model, "_varlen_state", None) is not None:
         disable_varlen(model)
@@ -118,7 +118,7 @@ def disable_varlen(model: torch.nn.Module) -> torch.nn.Module:
 class varlen:  # noqa: N801 - a context manager named like the function it wraps
     """``with varlen_attn.varlen(model, ...):`` enables varlen for the block, then disables it."""
 
-    def __init__(self, model: torch.nn.Module, backend: str | None = "auto", **kwargs):
+    def __init__(self, model: torch.nn.Module, backend: str | None = None, **kwargs):
         self.model, self.backend, self.kwargs = model, backend, kwargs
 
     def __enter__(self):

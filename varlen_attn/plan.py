@@ -25,8 +25,6 @@ from ._errors import InputTypeError, InputValueError, NotPackableError, describe
 from .masks import FLAG_NAMES, analyze, canonical_mask
 
 _REASONS = {
-    "nan": "attn_mask contains NaN",
-    "posinf": "attn_mask contains +inf",
     "bias": (
         "attn_mask is an additive bias, not a padding pattern: some values are neither the "
         "row maximum nor at least 1000 below it (a float 0/1 mask, ALiBi or a learned bias)"
@@ -102,6 +100,10 @@ class VarlenPlan:
         token._varlen_plan = weakref.ref(self)
         object.__setattr__(self, "token", token)
 
+    def __reduce__(self):
+        # Copies and pickles are rebuilt through the constructor, so each gets its own token.
+        return (_rebuild, (type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}))
+
     @property
     def num_segments(self) -> int:
         return len(self.seqlens_q)
@@ -114,6 +116,10 @@ class VarlenPlan:
             f"segments={self.num_segments}, total_q={self.total_q}, total_k={self.total_k}, "
             f"max_seqlen_q={self.max_seqlen_q}, max_seqlen_k={self.max_seqlen_k})"
         )
+
+
+def _rebuild(cls, fields: dict) -> VarlenPlan:
+    return cls(**fields)
 
 
 def plan_of_token(token: torch.Tensor) -> VarlenPlan | None:

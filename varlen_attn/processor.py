@@ -15,8 +15,10 @@ class VarlenAttnProcessor:
 
     ``processor`` is the processor doing the projections (default: the module's own default
     processor class, e.g. ``FluxAttnProcessor`` or ``AttnProcessor2_0``). Its SDPA calls run
-    packed. Inside an ``enable_varlen`` forward the per-forward plan is shared; on its own, plans
-    are cached per mask tensor object, and float masks keep SDPA's reading (``float_mask="bias"``).
+    packed. Inside an ``enable_varlen`` forward it joins that forward's scope: the model's
+    policy (``backend``, ``strict``, ``float_mask``) applies and its per-forward plans are shared,
+    one policy per forward. On its own, its ``backend`` and ``strict`` apply, plans are cached
+    per mask tensor object, and float masks keep SDPA's reading (``float_mask="bias"``).
     Set on chosen modules with ``attn.set_processor(...)`` or on all with
     ``model.set_attn_processor(VarlenAttnProcessor())``.
     """

@@ -25,12 +25,13 @@ BACKENDS: dict[str, Backend] = {
               SplitSdpaBackend(), ReferenceBackend())
 }
 
-# Priority for backend="auto", per device class.
+# Priority for backend="auto", per device class (measurements and sources: docs/versions.md,
+# "Why auto's priority list is what it is").
 # Hopper and newer (sm90+): the Hopper-class kernels first (FA4, FA3); then one dense SDPA call
-# per segment, which beat FA2-class varlen kernels on an H200 (CONTEXT.md; measured again by
+# per segment, which beat FA2-class varlen kernels on an H200 (measured again by
 # benchmarks/backends.py); FA2 and PyTorch's built-in FA2 varlen after it.
 # Ampere/Ada (sm80-89): FA2 varlen wins there (masked SDPA drops to the mem-efficient kernel;
-# public reports in CONTEXT.md); the built-in FA2 kernel needs no install.
+# public reports listed in docs/versions.md); the built-in FA2 kernel needs no install.
 # CPU: one dense SDPA call per segment beats the reference kernel's explicit matmuls.
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("split_sdpa", "reference"),
@@ -47,6 +48,8 @@ def _cuda_class(index: int) -> str:
 def priority(device: torch.device) -> tuple[str, ...]:
     """auto's order for ``device``."""
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return ()
         idx = device.index if device.index is not None else torch.cuda.current_device()
         return PRIORITY[_cuda_class(idx)]
     return PRIORITY.get(device.type, tuple(BACKENDS))

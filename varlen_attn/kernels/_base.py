@@ -117,7 +117,7 @@ class Backend:
                  dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` on packed tensors: the kernel's own backward. Only for
         ``NATIVE_BACKWARD`` backends; the others get gradients by autograd through
-        :meth:`forward` (eagerly, or recomputed inside varlen_attn.compiled's backward op)."""
+        :meth:`forward` (eagerly, or recomputed inside varlen_attn.op's backward op)."""
         raise NotImplementedError(f"backend {self.NAME!r} has no forward/backward entry points")
 
     def __repr__(self) -> str:
