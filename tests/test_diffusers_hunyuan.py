@@ -44,26 +44,17 @@ import pytest
 import torch
 
 import varlen_attn as va
+from _models import HY_T, HY_TEXT_DIM, hunyuan_inputs, hunyuan_model, hunyuan_text_mask, step
+from _testing import assert_model_close
 
-diffusers = pytest.importorskip("diffusers")
-from diffusers import HunyuanVideoTransformer3DModel  # noqa: E402
-
-T = 6  # padded text length
-FRAMES, HEIGHT, WIDTH = 2, 3, 4  # patch size 1: 24 image tokens
-TEXT_DIM, POOLED_DIM, CHANNELS = 16, 8, 4
+T = HY_T  # padded text length
 BACKENDS = ("split_sdpa", "reference")
 STRUCTURE = (
     "attn_mask is not a padding/segment pattern: two queries attend overlapping but "
     "different key sets (e.g. causal, sliding-window or arbitrary per-query masks)"
 )
+# Tolerance: _testing.assert_model_close (floor only: float64 stock vs float64 varlen).
 
-# Tolerance, in ulps of each compared tensor's largest magnitude (at least 1.0). Observed worst
-# over every batch below, seeds 0..19, with and without gradient checkpointing (float64):
-# reference backend: output 2.4 ulps, parameter gradients 3.9 ulps (its explicit matmuls round
-# differently from SDPA); split_sdpa and auto: output bit-exact, gradients 0.5 ulps. The bound
-# is about 4x the worst observed.
-ULPS = 16
-EPS = torch.finfo(torch.float64).eps
 
 
 @pytest.fixture(autouse=True)
@@ -71,39 +62,9 @@ def _clean_env(monkeypatch):
     monkeypatch.delenv("VARLEN_ATTN_BACKEND", raising=False)  # "auto" must mean auto
 
 
-def make_model(num_refiner_layers: int = 1, num_layers: int = 1) -> HunyuanVideoTransformer3DModel:
-    torch.manual_seed(0)
-    return HunyuanVideoTransformer3DModel(
-        in_channels=CHANNELS, out_channels=CHANNELS, num_attention_heads=2, attention_head_dim=16,
-        num_layers=num_layers, num_single_layers=num_layers, num_refiner_layers=num_refiner_layers,
-        patch_size=1, patch_size_t=1, guidance_embeds=True, text_embed_dim=TEXT_DIM,
-        pooled_projection_dim=POOLED_DIM, rope_axes_dim=(4, 6, 6),
-    ).double()
-
-
 @pytest.fixture(scope="module")
 def model():
-    return make_model()
-
-
-def inputs(batch: int, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    f64 = dict(generator=g, dtype=torch.float64)
-    return dict(
-        hidden_states=torch.randn(batch, CHANNELS, FRAMES, HEIGHT, WIDTH, **f64),
-        timestep=torch.randint(0, 1000, (batch,), generator=g),
-        encoder_hidden_states=torch.randn(batch, T, TEXT_DIM, **f64),
-        pooled_projections=torch.randn(batch, POOLED_DIM, **f64),
-        guidance=torch.full((batch,), 6000.0, dtype=torch.float64),
-    )
-
-
-def text_mask(rows) -> torch.Tensor:
-    """``rows``: per sample, a prompt length (right padded) or an explicit 0/1 list."""
-    out = []
-    for r in rows:
-        out.append(torch.arange(T) < r if isinstance(r, int) else torch.tensor(r, dtype=torch.bool))
-    return torch.stack(out)
+    return hunyuan_model()
 
 
 @contextlib.contextmanager
@@ -120,13 +81,8 @@ def pooled_nan_guard(model):
 
 
 def run(model, inp, mask):
-    """Output and every parameter's gradient under the loss ``out.pow(2).sum()``."""
-    model.zero_grad(set_to_none=True)
-    out = model(**inp, encoder_attention_mask=mask, return_dict=False)[0]
-    out.pow(2).sum().backward()
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out.detach(), grads
+    """Output and every parameter's gradient (``_models.step``)."""
+    return step(model, {**inp, "encoder_attention_mask": mask})
 
 
 def run_varlen(model, inp, mask, backend, checkpointing=False, **kwargs):
@@ -142,24 +98,6 @@ def run_varlen(model, inp, mask, backend, checkpointing=False, **kwargs):
         va.disable_varlen(model)
         if checkpointing:
             model.disable_gradient_checkpointing()
-
-
-def ulps(got: torch.Tensor, ref: torch.Tensor) -> float:
-    scale = max(ref.abs().max().item(), 1.0) if ref.numel() else 1.0
-    return (got - ref).abs().max().item() / (EPS * scale) if ref.numel() else 0.0
-
-
-def assert_same(got, ref):
-    (out, grads), (rout, rgrads) = got[:2], ref[:2]
-    assert not torch.isnan(rout).any() and not torch.isnan(out).any()
-    assert out.shape == rout.shape
-    err = ulps(out, rout)
-    assert err <= ULPS, f"output differs by {err:.1f} ulps"
-    assert grads.keys() == rgrads.keys()
-    for name, g in grads.items():
-        assert not torch.isnan(g).any(), name
-        err = ulps(g, rgrads[name])
-        assert err <= ULPS, f"grad of {name} differs by {err:.1f} ulps"
 
 
 # Batches. Packable: every sample's text mask is full, empty or [1, 0, ..., 0] (prompt length
@@ -185,14 +123,14 @@ def stock(model, name, rows, guard, seed=0):
     """Stock result (no varlen, no checkpointing), cached per case."""
     key = (name, seed)
     if key not in _REF_CACHE:
-        inp, mask = inputs(len(rows), seed), text_mask(rows)
+        inp, mask = hunyuan_inputs(len(rows), seed), hunyuan_text_mask(rows)
         with pooled_nan_guard(model) if guard else contextlib.nullcontext():
             _REF_CACHE[key] = run(model, inp, mask)
     return _REF_CACHE[key]
 
 
 def varlen_case(model, name, rows, guard, backend, seed=0, **kwargs):
-    inp, mask = inputs(len(rows), seed), text_mask(rows)
+    inp, mask = hunyuan_inputs(len(rows), seed), hunyuan_text_mask(rows)
     with pooled_nan_guard(model) if guard else contextlib.nullcontext():
         return run_varlen(model, inp, mask, backend, **kwargs)
 
@@ -206,7 +144,7 @@ def test_packable_batches_equal_stock(model, case, backend):
     rows, guard = PACKABLE[case]
     ref = stock(model, case, rows, guard)
     got = varlen_case(model, case, rows, guard, backend)
-    assert_same(got, ref)
+    assert_model_close(got[:2], ref, what=f"hunyuan/{case}/{backend}")
     st = got[2]
     # 1 plan for the joint [B,1,1,N] mask (shared by the dual and the single block) + 1 for the
     # refiner's [B,1,T,T] mask.
@@ -221,7 +159,7 @@ def test_unpackable_refiner_mask_falls_back_under_auto(model, case):
     rows, guard = UNPACKABLE[case]
     ref = stock(model, case, rows, guard)
     got = varlen_case(model, case, rows, guard, "auto")
-    assert_same(got, ref)
+    assert_model_close(got[:2], ref, what=f"hunyuan/{case}/auto")
     st = got[2]
     assert st["plan_builds"] == 2  # the refiner's plan is still built (it finds the mask unpackable)
     assert st["fallbacks"] == {STRUCTURE: 1}  # only the refiner; joint attention packs
@@ -246,7 +184,7 @@ def test_gradient_checkpointing_equals_stock_without(model, backend):
     ref = stock(model, name, rows, guard)  # no checkpointing
     got = varlen_case(model, name, rows, guard, backend, checkpointing=True)
     assert not model.gradient_checkpointing
-    assert_same(got, ref)
+    assert_model_close(got[:2], ref, what=f"hunyuan/checkpointing/{name}/{backend}")
     st = got[2]
     # Recomputation in backward re-enters the forward's context: the same 2 plans, no rebuild.
     assert st["plan_builds"] == 2
@@ -264,11 +202,11 @@ def test_pipeline_mask_dtypes(model, dtype, caplog):
     # The tokenizer gives an int64 mask; HunyuanVideoPipeline casts it to the transformer dtype.
     # Stock reads both as keep-masks (.bool(), sum), as does varlen (float_mask="bool").
     rows = [6, 3, 1]
-    inp, mask = inputs(3, seed=1), text_mask(rows).to(dtype)
+    inp, mask = hunyuan_inputs(3, seed=1), hunyuan_text_mask(rows).to(dtype)
     ref = run(model, inp, mask)
     with caplog.at_level(logging.WARNING, logger="varlen_attn"):
         got = run_varlen(model, inp, mask, "auto")
-    assert_same(got, ref)
+    assert_model_close(got[:2], ref, what=f"hunyuan/mask {dtype}")
     assert got[2]["plan_builds"] == 2
     assert got[2]["fallbacks"] == {STRUCTURE: 1}
 
@@ -277,13 +215,13 @@ def test_empty_prompt_stock_nan(model):
     """Without the guard, stock returns NaN for the empty-prompt sample (0/0 in the refiner's
     pooling) and NaN in every parameter gradient. The other samples must still equal stock."""
     rows = [5, 0, 3]
-    inp, mask = inputs(3, seed=2), text_mask(rows)
+    inp, mask = hunyuan_inputs(3, seed=2), hunyuan_text_mask(rows)
     ref_out, ref_grads = run(model, inp, mask)
     assert torch.isnan(ref_out[1]).all()
     assert not torch.isnan(ref_out[[0, 2]]).any()
     assert all(torch.isnan(g).any() for g in ref_grads.values())
     out, _, st = run_varlen(model, inp, mask, "auto")
-    assert ulps(out[[0, 2]], ref_out[[0, 2]]) <= ULPS
+    assert_model_close(out[[0, 2]], ref_out[[0, 2]], what="hunyuan/the samples with a prompt")
     # Deviation from stock (reported, not a contract): varlen drops masked keys instead of
     # multiplying them by zero, so the NaN text tokens of the empty sample never reach its image
     # tokens and its output is finite where stock's is NaN.
@@ -292,7 +230,7 @@ def test_empty_prompt_stock_nan(model):
 
 
 def test_no_mask_is_rejected_like_stock(model):
-    inp = inputs(2)
+    inp = hunyuan_inputs(2)
     with pytest.raises(AttributeError) as stock_err:
         model(**inp, encoder_attention_mask=None)
     va.enable_varlen(model, backend="split_sdpa")
@@ -314,10 +252,9 @@ def _refiner_packable(m: torch.Tensor) -> bool:
 def test_refiner_packability_all_masks():
     """Every [1, 4] text mask through the token refiner alone (HunyuanVideoTokenRefiner, whose
     mask input is ``attention_mask``): falls back exactly when the rule says, equal to stock."""
-    torch.manual_seed(0)
-    refiner = make_model().context_embedder
+    refiner = hunyuan_model().context_embedder
     g = torch.Generator().manual_seed(3)
-    x = torch.randn(1, 4, TEXT_DIM, generator=g, dtype=torch.float64)
+    x = torch.randn(1, 4, HY_TEXT_DIM, generator=g, dtype=torch.float64)
     t = torch.tensor([400])
     for bits in range(16):
         m = torch.tensor([[(bits >> i) & 1 for i in range(4)]], dtype=torch.bool)
@@ -333,17 +270,16 @@ def test_refiner_packability_all_masks():
         assert st["plan_builds"] == 1, m
         assert st["fallbacks"] == ({} if packable else {STRUCTURE: 1}), m
         # The empty mask gives NaN in both (pooling 0/0), hence equal_nan.
-        torch.testing.assert_close(got, ref, rtol=0, atol=ULPS * EPS * max(ref.nan_to_num().abs().max().item(), 1),
-                                   equal_nan=True)
+        assert_model_close(got, ref, what=f"hunyuan/refiner, mask {m.tolist()}", equal_nan=True)
 
 
 # The refiner's in-place `mask[:, :, :, 0] = True` is re-keyed (not forgotten), so its mask is
 # planned once per forward however many refiner layers there are.
 def test_plan_builds_once_per_forward_with_two_refiner_layers():
-    m = make_model(num_refiner_layers=2, num_layers=2)  # diffusers' default has 2 refiner layers
+    m = hunyuan_model(num_refiner_layers=2, num_layers=2)  # diffusers' default has 2 refiner layers
     rows = [6, 1]
-    inp, mask = inputs(2), text_mask(rows)
+    inp, mask = hunyuan_inputs(2), hunyuan_text_mask(rows)
     ref = run(m, inp, mask)
     got = run_varlen(m, inp, mask, "split_sdpa")
-    assert_same(got, ref)  # results are right either way
+    assert_model_close(got[:2], ref, what="hunyuan/two refiner layers")  # results are right either way
     assert got[2]["plan_builds"] == 2

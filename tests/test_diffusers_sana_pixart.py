@@ -7,40 +7,31 @@ the model derived from ``encoder_attention_mask`` [B, T] (0/1): ``(1 - m.to(dtyp
 [B, H, 1, T]. Sana's self-attention is linear attention (no SDPA at all); PixArt's self-attention
 is unmasked SDPA unless ``attention_mask`` is given.
 
-Tolerance, derived from data. An empty prompt (every text token masked) makes a -10000 row; SDPA
-attends to all keys there (softmax shift invariance), but it rounds the scores ``s - 10000`` to the
-float64 grid at 10000 (ulp ~1.8e-12), so the *stock* result carries hundreds of ulps of rounding
-noise that an exact computation does not. We measure that noise per case: ``baseline`` is the stock
-model run with the empty rows replaced by all-ones (mathematically the same attention, no -10000
-rounding). varlen may then be at most 2x as far from stock as the baseline is, plus a floor of
-FLOOR_ULPS ulps of each tensor's scale (max |ref|, at least 1: gradients such as ``to_k.bias`` are
-exactly zero in exact arithmetic and pure rounding noise in both). Also, varlen must be within the
-floor of the baseline itself (it computes the empty row as unmasked attention, without the -10000
-rounding).
-
-Observed on this file's configs (both backends, all cases; worst over 4636 tensor comparisons), in
-ulps of each tensor's scale:
-  varlen vs stock with an empty prompt: 1164 (Sana, caption_projection.linear_1.weight grad), where
-      the exact baseline is itself 1163 from stock: (err - 8) / baseline_err <= 0.99 everywhere;
-  varlen vs the exact baseline: 3.2; varlen vs stock where no row is empty: 2.5.
-  (While writing, seeds 0-9 of both models gave at most 1733 and 5.1 respectively.)
-FLOOR_ULPS = 32 is ~6x the worst floor-level error seen (5.1).
+Tolerance: ``_testing.assert_model_close``. An empty prompt (every text token masked) makes a
+-10000 row; SDPA attends to all keys there (softmax shift invariance), but it rounds the scores
+``s - 10000`` to the float64 grid at 10000 (ulp ~1.8e-12), so the *stock* result carries hundreds
+of ulps of rounding noise that an exact computation does not. The baseline measures that noise
+per case: the stock model run with the empty rows replaced by all-ones (mathematically the same
+attention, no -10000 rounding). varlen may be at most 2x as far from stock as the baseline is
+(or within the floor), and must also be within the floor of the baseline itself (it computes
+the empty row as unmasked attention, without the -10000 rounding). Some gradients (``to_k.bias``)
+are exactly zero in exact arithmetic and pure rounding noise in both runs: the floor's scale is
+clamped at 1 for them.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from diffusers import PixArtTransformer2DModel, SanaTransformer2DModel
 
 import varlen_attn as va
+from _models import (PIXART_LATENT, SANA_LATENT, SP_B, SP_LAYERS, SP_T, pixart_model, sana_model,
+                     sana_pixart_inputs, step)
+from _testing import assert_model_close, assert_model_equal
 
 DT = torch.float64
-EPS = torch.finfo(DT).eps
-FLOOR_ULPS = 32
 BACKENDS = ("split_sdpa", "reference")
-B, T, CAPTION = 3, 6, 12
-LAYERS = 2
+B, T, LAYERS = SP_B, SP_T, SP_LAYERS
 
 # keep masks [B, T]: each holds an empty prompt (row of zeros) unless it says otherwise
 KEEPS = {
@@ -51,30 +42,11 @@ KEEPS = {
 }
 MASK_DTYPES = (torch.bool, torch.int64, torch.float64, torch.float32)
 
-
-def _sana():
-    torch.manual_seed(0)
-    return SanaTransformer2DModel(
-        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=8, num_layers=LAYERS,
-        num_cross_attention_heads=2, cross_attention_head_dim=8, cross_attention_dim=16,
-        caption_channels=CAPTION, sample_size=4, patch_size=1,
-    ).to(DT)
-
-
-def _pixart():
-    torch.manual_seed(1)
-    return PixArtTransformer2DModel(
-        num_attention_heads=2, attention_head_dim=8, in_channels=4, out_channels=8, num_layers=LAYERS,
-        cross_attention_dim=16, sample_size=8, patch_size=2, num_embeds_ada_norm=8,
-        use_additional_conditions=False, caption_channels=CAPTION,
-    ).to(DT)
-
-
 # name -> (builder, latent shape, SDPA calls per forward that carry no mask when only the text
 # mask is given: Sana's self-attention is linear attention, PixArt's is unmasked SDPA)
 MODELS = {
-    "sana": (_sana, (B, 4, 4, 4), 0),
-    "pixart": (_pixart, (B, 4, 8, 8), LAYERS),
+    "sana": (sana_model, SANA_LATENT, 0),
+    "pixart": (pixart_model, PIXART_LATENT, LAYERS),
 }
 
 
@@ -82,34 +54,15 @@ MODELS = {
 def setup(request):
     build, shape, unmasked_sdpa = MODELS[request.param]
     model = build()
-    g = torch.Generator().manual_seed(42)
-    inputs = {
-        "hidden_states": torch.randn(shape, generator=g, dtype=DT),
-        "encoder_hidden_states": torch.randn(B, T, CAPTION, generator=g, dtype=DT),
-        "timestep": torch.tensor([10, 500, 999]),
-    }
+    inputs = sana_pixart_inputs(shape, seed=42)
     yield request.param, model, inputs, unmasked_sdpa
     va.disable_varlen(model)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny tensors gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP
-    barriers made each tiny conv/bmm ~1000x slower (seen: 4 s per Sana forward+backward)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 def _run(model, inputs, **masks):
-    """Output and the grad of every parameter under loss ``out.pow(2).sum()``."""
-    model.zero_grad(set_to_none=True)
-    out = model(**inputs, **masks, return_dict=False)[0]
-    out.pow(2).sum().backward()
-    res = {"out": out.detach().clone()}
-    res.update({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    return res
+    """Output and the grad of every parameter (``_models.step``)."""
+    return step(model, {**inputs, **masks})
 
 
 def _with_varlen(model, inputs, backend, enable_kwargs=None, forwards=1, **masks):
@@ -131,18 +84,25 @@ def _exact_mask(mask):
     return torch.where(empty, torch.ones_like(mask), mask)
 
 
+_STOCK: dict = {}
+
+
+def _stock(name, model, inputs, key, masks, exact=None):
+    """(stock, baseline) for ``masks`` (a dict of model mask arguments), computed once per model
+    and ``key`` (parametrizations over backends share it). The baseline is stock with the
+    ``exact`` masks (default: :func:`_exact_mask` of each); where they equal ``masks`` (no empty
+    row) it is the same computation, and stock itself is the baseline."""
+    if (name, key) not in _STOCK:
+        stock = _run(model, inputs, **masks)
+        exact = {k: _exact_mask(m) for k, m in masks.items()} if exact is None else exact
+        same = all(torch.equal(exact[k], m) for k, m in masks.items())
+        _STOCK[name, key] = stock, (stock if same else _run(model, inputs, **exact))
+    return _STOCK[name, key]
+
+
 def _assert_equal_to_stock(got, stock, baseline, what=""):
-    assert set(got) == set(stock), f"{what}: grads for {set(got) ^ set(stock)} differ in presence"
-    for name, ref in stock.items():
-        a, bl = got[name], baseline[name]
-        assert a.shape == ref.shape and not torch.isnan(a).any(), f"{what} {name}: shape or NaN"
-        floor = FLOOR_ULPS * EPS * max(ref.abs().max().item(), 1.0)
-        err = (a - ref).abs().max().item()
-        base_err = (bl - ref).abs().max().item()
-        tol = 2.0 * base_err + floor
-        assert err <= tol, f"{what} {name}: |varlen - stock| {err:.3e} > {tol:.3e} (baseline {base_err:.3e})"
-        exact_err = (a - bl).abs().max().item()
-        assert exact_err <= floor, f"{what} {name}: |varlen - exact| {exact_err:.3e} > floor {floor:.3e}"
+    assert_model_close(got, stock, baseline=baseline, what=what)
+    assert_model_close(got, baseline, what=f"{what} vs exact")
 
 
 def _keep(case, dtype):
@@ -158,8 +118,7 @@ def _keep(case, dtype):
 def test_text_mask_equals_stock(setup, case, mask_dtype, backend):
     name, model, inputs, unmasked_sdpa = setup
     mask = _keep(case, mask_dtype)
-    stock = _run(model, inputs, encoder_attention_mask=mask)
-    baseline = _run(model, inputs, encoder_attention_mask=_exact_mask(mask))
+    stock, baseline = _stock(name, model, inputs, (case, mask_dtype), {"encoder_attention_mask": mask})
     got, st = _with_varlen(model, inputs, backend, encoder_attention_mask=mask)
     _assert_equal_to_stock(got, stock, baseline, f"{name}/{case}/{mask_dtype}/{backend}")
     # Every layer's cross-attention mask is re-derived from the same input through the same ops,
@@ -176,9 +135,9 @@ def test_text_mask_equals_stock(setup, case, mask_dtype, backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_no_mask_is_stock(setup, backend):
     name, model, inputs, unmasked_sdpa = setup
-    stock = _run(model, inputs)
+    stock, _ = _stock(name, model, inputs, "none", {})
     got, st = _with_varlen(model, inputs, backend)
-    _assert_equal_to_stock(got, stock, stock, f"{name}/none/{backend}")
+    assert_model_close(got, stock, what=f"{name}/none/{backend}")
     # Nothing to pack: no plan, and the stock kernel runs for every SDPA call.
     assert st["plan_builds"] == 0 and st["host_syncs"] == 0, st
     assert st["fallbacks"] == {}, st
@@ -201,11 +160,21 @@ def test_float_mask_bias_policy_equals_stock(setup, backend):
     -10000 bias, so the result and the plan count are the same as under the default policy."""
     name, model, inputs, unmasked_sdpa = setup
     mask = _keep("ragged_with_empty", torch.float64)
-    stock = _run(model, inputs, encoder_attention_mask=mask)
-    baseline = _run(model, inputs, encoder_attention_mask=_exact_mask(mask))
+    stock, baseline = _stock(name, model, inputs, ("ragged_with_empty", torch.float64),
+                             {"encoder_attention_mask": mask})
     got, st = _with_varlen(model, inputs, backend, {"float_mask": "bias"}, encoder_attention_mask=mask)
     _assert_equal_to_stock(got, stock, baseline, f"{name}/bias-policy/{backend}")
     assert st["plan_builds"] == 1 and st["fallbacks"] == {} and st["backends"][backend] == LAYERS, st
+
+
+def _bias_stock(name, model, inputs, keep_case):
+    """(stock, baseline, bias) for the ready bias [B, 1, T] made from KEEPS[keep_case]."""
+    keep = _keep(keep_case, DT)
+    bias = ((1 - keep) * -10000.0)[:, None]
+    exact = ((1 - _exact_mask(keep)) * -10000.0)[:, None]
+    stock, baseline = _stock(name, model, inputs, ("bias", keep_case), {"encoder_attention_mask": bias},
+                             {"encoder_attention_mask": exact})
+    return stock, baseline, bias
 
 
 @pytest.mark.parametrize("keep_case", ["ragged_with_empty", "all_true"])
@@ -213,11 +182,7 @@ def test_precomputed_bias_input_with_bias_policy(setup, keep_case):
     """Both models also accept the mask as a ready bias [B, 1, T] (0 keep, -10000 drop; used as
     is since ndim != 2). That is an additive float, so it needs float_mask='bias'."""
     name, model, inputs, _ = setup
-    keep = _keep(keep_case, DT)
-    bias = ((1 - keep) * -10000.0)[:, None]
-    exact = ((1 - _exact_mask(keep)) * -10000.0)[:, None]
-    stock = _run(model, inputs, encoder_attention_mask=bias)
-    baseline = _run(model, inputs, encoder_attention_mask=exact)
+    stock, baseline, bias = _bias_stock(name, model, inputs, keep_case)
     got, st = _with_varlen(model, inputs, "split_sdpa", {"float_mask": "bias"}, encoder_attention_mask=bias)
     _assert_equal_to_stock(got, stock, baseline, f"{name}/bias-input/{keep_case}")
     assert st["plan_builds"] == 1 and st["fallbacks"] == {} and st["backends"]["split_sdpa"] == LAYERS, st
@@ -228,11 +193,7 @@ def test_precomputed_bias_input_default_policy(setup, keep_case):
     """Under the default float_mask='bool' a ready -10000 bias [B, 1, T] is not a 0/1 mask, so it
     keeps SDPA's additive reading: same result as stock, one plan, no fallback."""
     name, model, inputs, _ = setup
-    keep = _keep(keep_case, DT)
-    bias = ((1 - keep) * -10000.0)[:, None]
-    exact = ((1 - _exact_mask(keep)) * -10000.0)[:, None]
-    stock = _run(model, inputs, encoder_attention_mask=bias)
-    baseline = _run(model, inputs, encoder_attention_mask=exact)
+    stock, baseline, bias = _bias_stock(name, model, inputs, keep_case)
     got, st = _with_varlen(model, inputs, "split_sdpa", {}, encoder_attention_mask=bias)
     _assert_equal_to_stock(got, stock, baseline, f"{name}/bias-input-default/{keep_case}")
     assert st["plan_builds"] == 1 and st["fallbacks"] == {}, st
@@ -249,15 +210,15 @@ def test_precomputed_zero_bias_input_default_policy(setup):
             got = model(**inputs, encoder_attention_mask=bias, return_dict=False)[0]
         finally:
             va.disable_varlen(model)
-    torch.testing.assert_close(got, stock, rtol=0, atol=FLOOR_ULPS * EPS * max(stock.abs().max().item(), 1.0))
+    assert_model_close(got, stock, what=f"{name}/zero bias")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gradient_checkpointing_reuses_the_forward_plan(setup, backend):
     name, model, inputs, unmasked_sdpa = setup
     mask = _keep("ragged_with_empty", torch.bool)
-    stock = _run(model, inputs, encoder_attention_mask=mask)
-    baseline = _run(model, inputs, encoder_attention_mask=_exact_mask(mask))
+    stock, baseline = _stock(name, model, inputs, ("ragged_with_empty", torch.bool),
+                             {"encoder_attention_mask": mask})
     model.enable_gradient_checkpointing()
     try:
         got, st = _with_varlen(model, inputs, backend, encoder_attention_mask=mask)
@@ -269,17 +230,12 @@ def test_gradient_checkpointing_reuses_the_forward_plan(setup, backend):
     assert st["backends"][backend] == 2 * LAYERS, st
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_pixart_self_and_cross_masks_one_plan_each(backend):
-    """PixArt also takes ``attention_mask`` [B, N_image] for its self-attention: two distinct
-    masks per forward -> two plan builds (not 2 x layers)."""
-    model = _pixart()
+@pytest.fixture(scope="module")
+def pixart_self_cross():
+    """A PixArt batch with both masks, its stock result and baseline (shared by the backends)."""
+    model = pixart_model()
     g = torch.Generator().manual_seed(7)
-    inputs = {
-        "hidden_states": torch.randn(B, 4, 8, 8, generator=g, dtype=DT),
-        "encoder_hidden_states": torch.randn(B, T, CAPTION, generator=g, dtype=DT),
-        "timestep": torch.tensor([3, 300, 900]),
-    }
+    inputs = sana_pixart_inputs(PIXART_LATENT, timestep=(3, 300, 900), generator=g)
     n = 16  # (8 / patch 2)^2 image tokens
     am = (torch.rand(B, n, generator=g) > 0.3).long()
     am[1] = 0  # every image key masked for one sample: a -10000 row in self-attention too
@@ -287,6 +243,14 @@ def test_pixart_self_and_cross_masks_one_plan_each(backend):
     masks = {"attention_mask": am, "encoder_attention_mask": em}
     stock = _run(model, inputs, **masks)
     baseline = _run(model, inputs, attention_mask=_exact_mask(am), encoder_attention_mask=_exact_mask(em))
+    return model, inputs, masks, stock, baseline
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_pixart_self_and_cross_masks_one_plan_each(pixart_self_cross, backend):
+    """PixArt also takes ``attention_mask`` [B, N_image] for its self-attention: two distinct
+    masks per forward -> two plan builds (not 2 x layers)."""
+    model, inputs, masks, stock, baseline = pixart_self_cross
     got, st = _with_varlen(model, inputs, backend, **masks)
     _assert_equal_to_stock(got, stock, baseline, f"pixart/self+cross/{backend}")
     assert st["plan_builds"] == 2 and st["fallbacks"] == {}, st
@@ -302,5 +266,4 @@ def test_disable_restores_stock_bitwise(setup):
     va.reset_stats()
     after = _run(model, inputs, encoder_attention_mask=mask)
     assert va.stats()["backends"] == {} and va.stats()["plan_builds"] == 0
-    for k in before:
-        assert torch.equal(before[k], after[k]), k
+    assert_model_equal(after, before, f"{name}: stock after disable_varlen")

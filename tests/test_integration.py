@@ -10,102 +10,80 @@ import torch
 import torch.nn.functional as F
 
 import varlen_attn as va
-from test_plan import CountSyncs
-from varlen_attn.integration import ForwardContext
+from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+from _testing import CountSyncs, assert_model_close, assert_model_equal
+from varlen_attn.scope import Scope
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
 
-B, T, N = 3, 7, 16
+
+@pytest.fixture(scope="module")
+def chroma():
+    """One stock Chroma for the tests that leave it as they found it (varlen disabled again,
+    no checkpointing, no processor or backend change); the others build their own."""
+    return tiny_chroma()
 
 
-def tiny_chroma(seed=0):
-    torch.manual_seed(seed)
-    return diffusers.ChromaTransformer2DModel(
-        patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 8), approximator_num_channels=8,
-        approximator_hidden_dim=16, approximator_layers=1).double()
+@pytest.fixture(scope="module")
+def stock(chroma):
+    """``stock(**chroma_inputs kwargs)``: the stock step of the shared model, computed once."""
+    cache = {}
 
+    def get(**kwargs):
+        key = tuple(sorted(kwargs.items()))
+        if key not in cache:
+            cache[key] = step(chroma, chroma_inputs(**kwargs))
+        return cache[key]
 
-def chroma_inputs(lengths=(5, 2, 0), seed=1, mask_dtype=torch.bool, with_mask=True):
-    g = torch.Generator().manual_seed(seed)
-    text = torch.arange(T)[None] < torch.tensor(lengths)[:, None]
-    mask = torch.cat([text, torch.ones(B, N, dtype=torch.bool)], 1).to(mask_dtype)
-    return dict(hidden_states=torch.randn(B, N, 4, generator=g, dtype=torch.float64),
-                encoder_hidden_states=torch.randn(B, T, 32, generator=g, dtype=torch.float64),
-                timestep=torch.rand(B, generator=g, dtype=torch.float64),
-                img_ids=torch.randn(N, 3, generator=g, dtype=torch.float64),
-                txt_ids=torch.zeros(T, 3, dtype=torch.float64),
-                attention_mask=mask if with_mask else None, return_dict=False)
-
-
-def step(model, inputs):
-    """Output and every parameter's gradient under a fixed loss."""
-    model.zero_grad()
-    out = model(**inputs)[0]
-    (out.pow(2).sum() + out.sum()).backward()
-    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_same(a, b, tol):
-    out_a, g_a = a
-    out_b, g_b = b
-    assert (out_a - out_b).abs().max().item() <= tol
-    assert g_a.keys() == g_b.keys()
-    worst = max((g_a[k] - g_b[k]).abs().max().item() for k in g_a)
-    assert worst <= tol, worst
-
-
-# float64 rounding over a few blocks: the worst observed difference was 4e-14 (out 7e-16).
-TOL = 1e-11
+    return get
 
 
 @pytest.mark.parametrize("backend", ["auto", "split_sdpa", "reference"])
 @pytest.mark.parametrize("lengths", [(5, 2, 0), (7, 7, 7), (0, 0, 0), (1, 3, 6)])
-def test_chroma_equals_stock(backend, lengths):
-    model = tiny_chroma()
-    inputs = chroma_inputs(lengths)
-    ref = step(model, inputs)
-    va.enable_varlen(model, backend)
-    va.reset_stats()
-    got = step(model, inputs)
-    st = va.stats()
-    va.disable_varlen(model)
-    assert_same(got, ref, TOL)
+def test_chroma_equals_stock(chroma, stock, backend, lengths):
+    ref = stock(lengths=lengths)
+    va.enable_varlen(chroma, backend)
+    try:
+        va.reset_stats()
+        got = step(chroma, chroma_inputs(lengths))
+        st = va.stats()
+    finally:
+        va.disable_varlen(chroma)
+    assert_model_close(got, ref, what=f"chroma/{lengths}/{backend}")
     assert st["plan_builds"] == 1 and st["host_syncs"] == 1  # once per forward, for 4 blocks
     assert st["fallbacks"] == {}
-    assert st["backends"].get("split_sdpa" if backend == "auto" else backend) == 4
+    assert st["backends"].get("split_sdpa" if backend == "auto" else backend) == CHROMA_ATTN_LAYERS
 
 
-def test_chroma_without_mask_is_untouched():
-    model = tiny_chroma()
-    inputs = chroma_inputs(with_mask=False)
-    ref = step(model, inputs)
-    with va.varlen(model):
+def test_chroma_without_mask_is_untouched(chroma, stock):
+    ref = stock(with_mask=False)
+    with va.varlen(chroma):
         va.reset_stats()
-        got = step(model, inputs)
-    assert_same(got, ref, 0.0)
-    assert va.stats()["plan_builds"] == 0 and va.stats()["backends"] == {"sdpa": 4}
+        got = step(chroma, chroma_inputs(with_mask=False))
+    assert_model_equal(got, ref)
+    assert va.stats()["plan_builds"] == 0 and va.stats()["backends"] == {"sdpa": CHROMA_ATTN_LAYERS}
 
 
-def test_plan_once_per_forward_and_no_sync_per_layer():
-    model = tiny_chroma()
+def test_plan_once_per_forward_and_no_sync_per_layer(chroma):
     inputs = chroma_inputs()
-    with CountSyncs() as stock:
-        step(model, inputs)
-    va.enable_varlen(model)
-    va.reset_stats()
-    with CountSyncs() as ours:
-        for _ in range(3):
-            step(model, inputs)
-    va.disable_varlen(model)
-    assert ours.ops == stock.ops * 3  # no .item()/nonzero of ours, whatever the model does itself
+    with CountSyncs() as stock_ops:
+        step(chroma, inputs)
+    va.enable_varlen(chroma)
+    try:
+        va.reset_stats()
+        with CountSyncs() as ours:
+            for _ in range(3):
+                step(chroma, inputs)
+    finally:
+        va.disable_varlen(chroma)
+    assert ours.ops == stock_ops.ops * 3  # no .item()/nonzero of ours, whatever the model does itself
     assert va.stats()["plan_builds"] == 3 and va.stats()["host_syncs"] == 3
 
 
-def test_gradient_checkpointing_keeps_the_mask_and_the_plan():
+def test_gradient_checkpointing_keeps_the_mask_and_the_plan(stock):
     model = tiny_chroma()
     inputs = chroma_inputs()
-    ref = step(model, inputs)  # no checkpointing, mask applied everywhere
+    ref = stock()  # no checkpointing, mask applied everywhere
     model.enable_gradient_checkpointing()
     stock_ckpt = step(model, inputs)
     # diffusers' Chroma drops attention_mask in its checkpointed single blocks:
@@ -114,41 +92,41 @@ def test_gradient_checkpointing_keeps_the_mask_and_the_plan():
     va.reset_stats()
     got = step(model, inputs)
     st = va.stats()
-    assert_same(got, ref, TOL)  # the mask applies with checkpointing too
+    assert_model_close(got, ref, what="chroma/checkpointing")  # the mask applies with checkpointing too
     # 4 attention calls forward + 4 recomputed in backward, one plan, one sync.
     assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and st["backends"] == {"split_sdpa": 8}
     va.disable_varlen(model)
     va.enable_varlen(model, restore_checkpoint_mask=False)
-    assert_same(step(model, inputs), stock_ckpt, TOL)  # opt-out: stock behaviour
+    # opt-out: stock behaviour
+    assert_model_close(step(model, inputs), stock_ckpt, what="chroma/checkpointing, opt-out")
     va.disable_varlen(model)
 
 
-def test_float_mask_policy(caplog):
-    model = tiny_chroma()
-    bool_ref = step(model, chroma_inputs())
+def test_float_mask_policy(chroma, stock, caplog):
+    bool_ref = stock()
     float_inputs = chroma_inputs(mask_dtype=torch.float64)
-    stock_float = step(model, float_inputs)  # SDPA reads 0/1 as a bias: not the meant mask
+    stock_float = stock(mask_dtype=torch.float64)  # SDPA reads 0/1 as a bias: not the meant mask
     assert (stock_float[0] - bool_ref[0]).abs().max() > 1e-3
     with caplog.at_level(logging.WARNING, logger="varlen_attn"):
-        with va.varlen(model):
+        with va.varlen(chroma):
             va.reset_stats()
-            got = step(model, float_inputs)
-            step(model, float_inputs)
+            got = step(chroma, float_inputs)
+            step(chroma, float_inputs)
             assert va.stats()["fallbacks"] == {} and va.stats()["plan_builds"] == 2
-    assert_same(got, bool_ref, TOL)
+    assert_model_close(got, bool_ref, what="chroma/float 0-1 mask, policy bool")
     assert sum("float 0/1" in r.message for r in caplog.records) <= 1
-    with va.varlen(model, float_mask="bias"):
+    with va.varlen(chroma, float_mask="bias"):
         va.reset_stats()
-        assert_same(step(model, float_inputs), stock_float, TOL)
+        assert_model_close(step(chroma, float_inputs), stock_float, what="chroma/float 0-1 mask, policy bias")
         assert va.stats()["fallbacks"]  # a bias is not packable: SDPA ran, reason recorded
-    with va.varlen(model, float_mask="error"), pytest.raises(va.InputTypeError, match="float_mask='error'"):
-        step(model, float_inputs)
+    with va.varlen(chroma, float_mask="error"), pytest.raises(va.InputTypeError, match="float_mask='error'"):
+        step(chroma, float_inputs)
     # Not a 0/1 mask (a 0/0.5 "mask"): SDPA's additive reading under every policy.
     half = chroma_inputs(mask_dtype=torch.float64)
     half["attention_mask"] = half["attention_mask"] * 0.5
-    stock_half = step(model, half)
-    with va.varlen(model):
-        assert_same(step(model, half), stock_half, TOL)
+    stock_half = step(chroma, half)
+    with va.varlen(chroma):
+        assert_model_close(step(chroma, half), stock_half, what="chroma/0-0.5 mask")
 
 
 def test_disable_restores_exactly():
@@ -175,15 +153,14 @@ def test_diffusers_attention_backend_is_native_while_enabled():
     assert [p._attention_backend for p in procs] == before
 
 
-def test_varlen_processor_per_module():
+def test_varlen_processor_per_module(stock):
     model = tiny_chroma()
-    inputs = chroma_inputs()
-    ref = step(model, inputs)
+    ref = stock()
     model.set_attn_processor(va.VarlenAttnProcessor(backend="reference"))
     va.reset_stats()
-    got = step(model, inputs)
-    assert_same(got, ref, TOL)
-    assert va.stats()["backends"] == {"reference": 4}
+    got = step(model, chroma_inputs())
+    assert_model_close(got, ref, what="chroma/VarlenAttnProcessor")
+    assert va.stats()["backends"] == {"reference": CHROMA_ATTN_LAYERS}
     # Per-module wrapper of an explicit processor keeps its signature for diffusers' kwarg filter.
     inner = diffusers.models.transformers.transformer_flux.FluxAttnProcessor()
     wrapped = va.VarlenAttnProcessor(inner)
@@ -218,7 +195,7 @@ def test_no_growth_over_1000_steps():
         model(x, mask).sum().backward()
     gc.collect()
     assert va.stats()["plan_builds"] == 1000  # one per forward, none per layer
-    assert not [o for o in gc.get_objects() if isinstance(o, ForwardContext)]
+    assert not [o for o in gc.get_objects() if isinstance(o, Scope)]
     from varlen_attn.plan import _CACHE
     assert len(_CACHE._entries) <= _CACHE._capacity
 
@@ -251,7 +228,8 @@ def test_two_models_in_two_threads():
         t.join()
     assert errors == []
     for i in range(2):
-        assert all((r - expected[i]).abs().max() < 1e-5 for r in results[i])
+        for r in results[i]:
+            assert_model_close(r, expected[i], what=f"toy/thread {i}")
 
 
 def test_enable_varlen_bad_input():

@@ -5,10 +5,9 @@ import threading
 import pytest
 import torch
 from hypothesis import assume, given, note
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import varlen_attn as va
-from _testing import PACKABLE_KINDS, UNPACKABLE_KINDS, cases, effective_keep, is_segment_pattern
+from _testing import PACKABLE_KINDS, UNPACKABLE_KINDS, CountSyncs, cases, effective_keep, is_segment_pattern
 
 ALL_KINDS = PACKABLE_KINDS + UNPACKABLE_KINDS
 
@@ -107,23 +106,6 @@ def test_plan_from_seqlens_matches_mask_plan():
     assert torch.equal(a.indices_q, b.indices_q) and torch.equal(a.cu_seqlens_k, b.cu_seqlens_k)
 
 
-class CountSyncs(TorchDispatchMode):
-    """Counts ops that force a device-to-host sync on CUDA (``.item()``, ``nonzero``, ...)."""
-
-    SYNCING = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique_dim",
-               "_unique2", "unique_consecutive", "bincount", "repeat_interleave"}
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name in self.SYNCING:
-            self.ops.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_plan_built_once_and_reused_without_sync():
     torch.manual_seed(0)
     b, h, s, d = 3, 2, 40, 16
@@ -190,3 +172,38 @@ def test_explicit_env_backend(monkeypatch):
     monkeypatch.setenv("VARLEN_ATTN_BACKEND", "nonsense")
     with pytest.raises(va.InputValueError, match="VARLEN_ATTN_BACKEND"):
         va.scaled_dot_product_attention(q, k, v, mask)
+
+
+def test_clear_plan_cache_and_build_without_cache():
+    keep = torch.arange(6)[None] < torch.tensor([2, 6])[:, None]
+    va.reset_stats()
+    first = va.build_plan(keep)
+    assert va.build_plan(keep) is first and va.stats()["plan_builds"] == 1
+    fresh = va.build_plan(keep, cache=False)
+    assert fresh is not first and va.stats()["plan_builds"] == 2
+    assert va.build_plan(keep) is first, "cache=False must leave the cache as it was"
+    va.clear_plan_cache()
+    assert va.build_plan(keep) is not first and va.stats()["plan_builds"] == 3
+
+
+def test_plan_copies_and_pickles_are_plans_of_their_own():
+    """A plan is plain data: copy, deepcopy and pickle give an equal plan, whose token names the
+    copy (the custom op finds a plan through its token)."""
+    import copy
+    import pickle
+
+    from varlen_attn.plan import plan_of_token
+
+    keep = torch.tensor([[1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
+    plan = va.build_plan(keep)
+    q, k, v = (torch.randn(3, 4, 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    want = va.attention(q, k, v, plan=plan)
+    for other in (copy.copy(plan), copy.deepcopy(plan), pickle.loads(pickle.dumps(plan))):
+        assert other is not plan and plan_of_token(other.token) is other
+        assert plan_of_token(plan.token) is plan
+        for name in ("seqlens_q", "seqlens_k", "segment_batch", "total_q", "max_seqlen_k", "packable"):
+            assert getattr(other, name) == getattr(plan, name), name
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "indices_q", "indices_k", "inverse_q", "padding_k"):
+            assert torch.equal(getattr(other, name), getattr(plan, name)), name
+        assert torch.equal(va.attention(q, k, v, plan=other), want)
