@@ -1,5 +1,6 @@
 import os
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
@@ -15,3 +16,14 @@ settings.register_profile("ci", max_examples=500, deadline=None,
 settings.register_profile("thorough", max_examples=5000, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """A clean torch.compile state (no cached graphs, dynamo's counters at zero) around a test."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

@@ -15,15 +15,9 @@ from torch._dynamo.utils import counters
 import varlen_attn as va
 from _testing import assert_model_close
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
+
 B, S, H, D = 3, 12, 2, 8
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def _qkv(seed, requires_grad=True):

@@ -15,20 +15,14 @@ import varlen_attn as va
 from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 from _testing import assert_model_close
 
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
+
 PATHS = ("eager", "blocks", "whole")
 # Dynamo with its plain "eager" backend: the policies are decided while tracing (constants handed
 # to the custom op) and at run time inside it, so AOTAutograd adds nothing to what is tested here
 # and would triple the time; tests/test_compile.py covers aot_eager and inductor.
 BACKEND = "eager"
 LENGTHS = (5, 2, 0)
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def enabled(path, **policy):

@@ -10,7 +10,8 @@ out, with fixed shapes, so:
 * no graph break: the op has a fake implementation (shapes only);
 * no recompilation when the mask changes: a prebuilt plan reaches the op as its CPU ``token``
   tensor (a tensor input, never specialized on), and no length, total or packability is read
-  while tracing; the policy travels as constant arguments.
+  while tracing; the whole policy (:class:`~varlen_attn.scope.Policy`) travels as constant
+  arguments.
 
 Autograd: ``varlen_attn::attention_backward``. The forward's plan and route are kept in this
 module's registry under a handle the op returns (saved for backward), so the backward neither
@@ -66,12 +67,12 @@ def _held(handle: Tensor) -> tuple:
 @torch.library.custom_op("varlen_attn::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token: Optional[Tensor],
                  scale: Optional[float], causal: bool, gqa: bool, backend: str, strict: bool,
-                 convention: str, float_mask: str) -> tuple[Tensor, Tensor, Tensor]:
+                 convention: str, float_mask: str, model: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Padded ``[B, S, H, D]`` q, k, v -> ``(out [B, Sq, Hq, Dv], lse [Hq, B*Sq] float32,
     handle)``; lse is filled (its first ``total_q`` columns) only for fused routes."""
     with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
         b, sq, h, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
-        policy = Policy(backend, strict, float_mask)
+        policy = Policy(backend, strict, float_mask, model)
         opts = Options(scale, causal, 0.0, gqa)
         plan = None
         if token is not None:
@@ -94,7 +95,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
 
 
 @attention_op.register_fake
-def _(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask):
+def _(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model):
     b, sq, hq = q.shape[0], q.shape[1], q.shape[2]
     return (q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((hq, b * sq), dtype=torch.float32),
             torch.empty(1, dtype=torch.int64))
@@ -143,7 +144,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, _dlse, _dhandle):
     q, k, v, out, lse, handle = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, handle)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -159,5 +160,6 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
         )
     out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token,
                              None if opts.scale is None else float(opts.scale), bool(opts.causal),
-                             bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask)
+                             bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask,
+                             policy.model)
     return out
