@@ -61,15 +61,12 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
         reason = plan.reason
     elif opts.causal and not (plan.self_aligned or (plan.q_identity and plan.k_identity)):
         reason = "causal with queries and keys in different segment positions"
-    name = policy.backend
     if reason is not None:
-        if policy.strict:
-            raise NotPackableError(reason)
-        if name not in ("auto", SDPA):
-            raise BackendUnavailableError(f"backend {name!r} needs a packable mask: {reason}")
         if mask4 is None:
+            refuse_unpackable(policy, reason)
             raise InputValueError(f"plan is not packable ({reason}); pass attn_mask so SDPA can run")
-        return Route(None, reason if name == "auto" else None)
+        return unpackable(policy, reason)
+    name = policy.backend
     if name == SDPA:
         return Route(None)
     if q.device != plan.device:
@@ -80,6 +77,22 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
     impl = select(probe, name)
     fused = impl.NATIVE_BACKWARD and plan.total_q > 0 and not opts.dropout_p
     return Route(impl, None, scale, fused)
+
+
+def refuse_unpackable(policy, reason: str) -> None:
+    """Raise where the policy forbids running an unpackable call on masked SDPA: ``strict``,
+    or an explicit varlen backend (never a silent fallback)."""
+    if policy.strict:
+        raise NotPackableError(reason)
+    if policy.backend not in ("auto", SDPA):
+        raise BackendUnavailableError(f"backend {policy.backend!r} needs a packable mask: {reason}")
+
+
+def unpackable(policy, reason: str) -> Route:
+    """The route of a call whose mask cannot be packed: masked SDPA, the reason recorded as a
+    fallback under ``auto``; raises under ``strict`` or an explicit varlen backend."""
+    refuse_unpackable(policy, reason)
+    return Route(None, reason if policy.backend == "auto" else None)
 
 
 def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> torch.Tensor:

@@ -23,6 +23,21 @@ from .plan import VarlenPlan
 from .scope import Policy, current_scope, resolve_plan
 
 
+def _autocast(query, key, value, attn_mask):
+    """Inside an autocast region the dispatcher runs SDPA in the autocast dtype, casting every
+    floating input, an additive mask included (so a finite ``finfo(float32).min`` becomes
+    ``-inf`` in float16). Qwen-Image and HunyuanVideo reach SDPA there with float32 q, k and a
+    bfloat16 v. Do the same, before the dtype checks, so the results are stock's."""
+    if not isinstance(query, torch.Tensor):
+        return query, key, value, attn_mask
+    device = query.device.type
+    if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
+        return query, key, value, attn_mask
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for t in (query, key, value, attn_mask))
+
+
 def _check_qkv(query, key, value, enable_gqa: bool, layout: str):
     """Validate and return ``(B, Sq, Sk, Hq, Hkv)``; ``layout`` is ``"bhsd"`` or ``"bshd"``."""
     dims = "[B, H, S, D]" if layout == "bhsd" else "[B, S, H, D]"
@@ -84,14 +99,24 @@ def _check_plan(plan, b: int, sq: int, sk: int, query, key) -> None:
         )
 
 
+GRAD_MASK_REASON = ("attn_mask requires grad (a learned bias): masked SDPA runs, so the mask "
+                    "gets its gradient")
+
+
 def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
              policy: Policy) -> torch.Tensor:
     """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced."""
+    b, sq, h, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+        # Packing reads the mask only for its pattern: it would get no gradient. Decided before
+        # the eager/traced split (``requires_grad`` is known while tracing), so both agree.
+        r = execution.unpackable(policy, GRAD_MASK_REASON)
+        mask4 = canonical_mask(mask, batch_size=b, num_heads=h, seqlen_q=sq, seqlen_k=sk, convention=convention)
+        return execution.run(q, k, v, None, mask4, r, opts)
     if torch.compiler.is_compiling():
         if mask is None and plan is None and policy.unmasked_is_sdpa:
             return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA, inside the graph
         return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
-    b, sq, h, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
     plan = resolve_plan(mask, batch=b, heads=h, seqlen_q=sq, seqlen_k=sk, device=q.device,
                         convention=convention, policy=policy, plan=plan, scope=current_scope())
     mask4 = None if mask is None else canonical_mask(mask, batch_size=b, num_heads=h, seqlen_q=sq,
@@ -139,6 +164,7 @@ def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
                      enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None) -> torch.Tensor:
     """:func:`scaled_dot_product_attention` with a ready :class:`~varlen_attn.scope.Policy`
     (what ``enable_varlen``'s hook calls)."""
+    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
     _check_options(dropout_p, scale)
     _check_plan(plan, b, sq, sk, query, key)
@@ -192,6 +218,7 @@ def attention(
     Equivalent PyTorch: ``F.scaled_dot_product_attention(q.transpose(1, 2), ...,
     attn_mask=<mask as [B, 1, 1|Sq, Sk]>).transpose(1, 2)``.
     """
+    query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bshd")
     _check_options(dropout_p, scale)
     _check_plan(plan, b, sq, sk, query, key)
