@@ -96,6 +96,42 @@ def _check_real(name: str, value: object) -> float:
     return float(value)
 
 
+def _check_window_side(name: str, value: object) -> int:
+    """One side of ``window_size``: an int (numpy integers and 0-d integer tensors too, as
+    flash-attn's tests pass ``torch.randint(0, n, (2,))``), or None = unbounded (-1)."""
+    if value is None:  # flash-attn 3 / cute spell "unbounded" as None
+        return -1
+    if isinstance(value, torch.Tensor):
+        if value.ndim != 0 or value.dtype == torch.bool or value.is_floating_point() \
+                or value.is_complex():
+            raise TypeError(
+                f"{name} must be an int, got a tensor of shape {_shape(value)}, dtype {value.dtype}"
+            )
+        value = int(value.item())
+    w = _check_int(name, value)
+    if w < -1:
+        raise ValueError(f"{name} must be -1 (unbounded) or >= 0, got {w}")
+    return w
+
+
+def _check_window(window_size: object) -> Tuple[int, int]:
+    """``(left, right)`` from a tuple or list of two sides, or a 1-D tensor of two integers."""
+    if isinstance(window_size, torch.Tensor):
+        if window_size.ndim != 1 or window_size.shape[0] != 2:
+            raise ValueError(
+                "window_size must be a pair (left, right), got a tensor of shape "
+                f"{_shape(window_size)}"
+            )
+        sides = window_size.unbind(0)
+    elif isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence) \
+            or len(window_size) != 2:
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
+    else:
+        sides = window_size
+    return (_check_window_side("window_size[0]", sides[0]),
+            _check_window_side("window_size[1]", sides[1]))
+
+
 def _check_cu_seqlens(name: str, cu: object, total: int, total_name: str,
                       device: torch.device) -> list:
     cu = _check_tensor(name, cu)
@@ -193,14 +229,7 @@ def _validate(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             f"return_attn_probs must be a bool, got {type(return_attn_probs).__name__}"
         )
 
-    if isinstance(window_size, (str, bytes)) or not isinstance(window_size, Sequence) \
-            or len(window_size) != 2:
-        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
-    left = _check_int("window_size[0]", window_size[0])
-    right = _check_int("window_size[1]", window_size[1])
-    for name, w in (("window_size[0]", left), ("window_size[1]", right)):
-        if w < -1:
-            raise ValueError(f"{name} must be -1 (unbounded) or >= 0, got {w}")
+    left, right = _check_window(window_size)
 
     if alibi_slopes is not None:
         _check_tensor("alibi_slopes", alibi_slopes)
@@ -305,7 +334,7 @@ def flash_attn_varlen_func(
     dropout_p: float = 0.0,
     softmax_scale: Optional[float] = None,
     causal: bool = False,
-    window_size: Tuple[int, int] = (-1, -1),
+    window_size: Union[Tuple[int, int], Sequence[int], torch.Tensor] = (-1, -1),
     softcap: float = 0.0,
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
@@ -324,7 +353,11 @@ def flash_attn_varlen_func(
         dropout_p: dropout probability on the attention probabilities.
         softmax_scale: defaults to ``D ** -0.5``.
         causal: bottom-right aligned causal mask (same as ``window_size[1] = 0``).
-        window_size: ``(left, right)`` local window, -1 = unbounded.
+        window_size: ``(left, right)`` local window, -1 = unbounded. A tuple or list of
+            two ints (numpy integers and 0-d integer tensors count as ints), or a 1-D integer
+            tensor of two elements, as flash-attn's tests pass (``torch.randint(0, n, (2,))``;
+            a tensor is read on the host). ``None`` for a side means unbounded, as in
+            flash-attn 3 / cute; flash-attn 2 itself wants -1.
         softcap: if > 0, ``scores = softcap * tanh(scores / softcap)``.
         alibi_slopes: float32 ``[Hq]`` or ``[batch, Hq]``.
         deterministic: accepted for API compatibility and ignored. In flash-attn

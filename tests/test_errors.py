@@ -28,7 +28,6 @@ sdpa = va.scaled_dot_product_attention
         (lambda: sdpa(q, k, v, torch.ones(2, 6, dtype=torch.int64)), TypeError, "attn_mask must be bool"),
         (lambda: sdpa(q, k, v, torch.tensor([0.0, float("nan"), 0, 0, 0, 0])), ValueError, "must not contain NaN"),
         (lambda: sdpa(q, k, v, torch.tensor([0.0, float("inf"), 0, 0, 0, 0])), ValueError, r"must not contain \+inf"),
-        (lambda: sdpa(q, k, v, torch.ones(6, dtype=torch.bool), is_causal=True), ValueError, "cannot both be set"),
         (lambda: sdpa(q, k, v, dropout_p=1.5), ValueError, r"dropout_p must be a float in \[0, 1\)"),
         (lambda: sdpa(q, k, v, scale="x"), TypeError, "scale must be a float"),
         (lambda: sdpa(q, k, v, backend="fa9"), ValueError, "backend must be 'auto'"),

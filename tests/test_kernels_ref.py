@@ -78,12 +78,12 @@ def make_inputs(case, dtype=torch.float64):
     return q, k, v, dout, slopes
 
 
-def run_kernel(case, q, k, v, slopes, **extra):
+def run_kernel(case, q, k, v, slopes, window=None, **extra):
     return flash_attn_varlen_func(
         q, k, v, _cu(case["lens_q"]), _cu(case["lens_k"]),
         max(case["lens_q"]), max(case["lens_k"]),
         softmax_scale=case["scale"], causal=case["causal"],
-        window_size=case["window"], softcap=case["softcap"],
+        window_size=case["window"] if window is None else window, softcap=case["softcap"],
         alibi_slopes=slopes, **extra,
     )
 
@@ -347,6 +347,44 @@ def test_causal_overrides_right_window():
     assert torch.equal(a, b)
 
 
+# The forms flash-attn's own tests pass as window_size: a tuple, a list (hopper's
+# ``torch.randint(0, n, (2,)).tolist()``), a tensor (tests/test_flash_attn.py's
+# ``torch.randint(0, n, (2,))``), a tuple holding a 0-d tensor (its
+# ``(window_size[0], 0)``), and None for an unbounded side (flash-attn 3 / cute).
+_WINDOW_FORMS = {
+    "tuple": tuple,
+    "list": list,
+    "tensor_int64": lambda w: torch.tensor(w),
+    "tensor_int32": lambda w: torch.tensor(w, dtype=torch.int32),
+    "tuple_of_0d_tensors": lambda w: (torch.tensor(w[0]), torch.tensor(w[1], dtype=torch.int32)),
+    "none_for_unbounded": lambda w: tuple(None if x == -1 else x for x in w),
+}
+
+
+@pytest.mark.parametrize("form", sorted(_WINDOW_FORMS))
+@settings(max_examples=15, **_SETTINGS)
+@given(case=varlen_cases(max_batch=3, max_len=8))
+def test_window_size_forms_match_sdpa(form, case):
+    q, k, v, dout, slopes = make_inputs(case)
+    window = _WINDOW_FORMS[form](case["window"])
+    got = forward_backward(lambda q, k, v: run_kernel(case, q, k, v, slopes, window=window),
+                           q, k, v, dout)
+    want = forward_backward(lambda q, k, v: sdpa_oracle(case, q, k, v, slopes), q, k, v, dout)
+    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_window_size_random_tensor_as_in_flash_attn_tests():
+    """tests/test_flash_attn.py: ``window_size = torch.randint(0, seqlen_k, (2,))``."""
+    q, k, v, cu_q, cu_k = _small_inputs()
+    torch.manual_seed(11)
+    for _ in range(5):
+        window = torch.randint(0, 16, (2,))
+        got = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 16, window_size=window)
+        want = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 5, 16, window_size=tuple(window.tolist()))
+        assert torch.equal(got, want)
+
+
 # --------------------------------------------------------------------------
 # Validation
 # --------------------------------------------------------------------------
@@ -408,6 +446,19 @@ _BAD = [
     (dict(window_size=(-2, 0)), ValueError, r"window_size\[0\] must be -1 .*got -2"),
     (dict(window_size=(0, 1.5)), TypeError, r"window_size\[1\] must be an int, got float"),
     (dict(window_size=(1, 2, 3)), ValueError, r"window_size must be a pair"),
+    (dict(window_size=torch.tensor([1, 2, 3])), ValueError,
+     r"window_size must be a pair \(left, right\), got a tensor of shape \(3,\)"),
+    (dict(window_size=torch.tensor([[1, 2]])), ValueError,
+     r"window_size must be a pair .*tensor of shape \(1, 2\)"),
+    (dict(window_size=torch.tensor([0.0, 1.5])), TypeError,
+     r"window_size\[0\] must be an int, got a tensor of shape \(\), dtype torch\.float32"),
+    (dict(window_size=torch.tensor([True, False])), TypeError,
+     r"window_size\[0\] must be an int, got a tensor .*torch\.bool"),
+    (dict(window_size=torch.tensor([-1, -3])), ValueError, r"window_size\[1\] must be -1 .*got -3"),
+    (dict(window_size=(torch.tensor([1]), 0)), TypeError,
+     r"window_size\[0\] must be an int, got a tensor of shape \(1,\)"),
+    (dict(window_size=(True, 0)), TypeError, r"window_size\[0\] must be an int, got bool"),
+    (dict(window_size=3), ValueError, r"window_size must be a pair .*got 3"),
     (dict(alibi_slopes=torch.ones(4, dtype=torch.float64)), TypeError,
      r"alibi_slopes must be float32, got torch\.float64"),
     (dict(alibi_slopes=torch.ones(3)), ValueError,

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import varlen_attn as va
 from _testing import assert_matches, cases, run_with_grads, sdpa_fn
-from varlen_attn.functional import GRAD_MASK_REASON
+from varlen_attn.functional import GRAD_MASK_REASON, MASK_WITH_CAUSAL
 
 LOW = (torch.bfloat16, torch.float16)
 
@@ -150,3 +150,112 @@ def test_grad_mask_under_compile_gets_its_gradient():
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+# -- edge shapes and arguments SDPA accepts ----------------------------------------------------
+
+@given(case=cases(kinds=("key_padding", "joint_text_first", "outer", "segments", "cross", "random"),
+                  reps=("bool", "neg_inf", "neg_10000")))
+def test_mask_with_is_causal_as_this_torch_does(case):
+    """torch 2.13's SDPA takes a mask with is_causal=True on some kernels (no grad) and applies
+    ``mask & tril``, top-left aligned; its math kernel (with grad) and older releases refuse.
+    Where the running torch takes it at all, so do we, with stock's result: checked against
+    stock itself without grad, and with grad against the explicit ``mask & tril``."""
+    note(repr(case))
+    if case.mask is None:
+        return
+    if not MASK_WITH_CAUSAL:
+        with pytest.raises(va.InputValueError, match="cannot both be set"):
+            va.scaled_dot_product_attention(case.q, case.k, case.v, case.mask, is_causal=True, enable_gqa=case.gqa)
+        return
+    sq, sk = case.q.shape[2], case.k.shape[2]
+    tril = torch.ones(sq, sk, dtype=torch.bool).tril()
+    mask = case.mask
+    combined = mask & tril if mask.dtype == torch.bool else torch.where(tril, mask, float("-inf")).to(mask.dtype)
+    with torch.no_grad():
+        ours = va.scaled_dot_product_attention(case.q, case.k, case.v, mask, is_causal=True, enable_gqa=case.gqa)
+        try:  # where stock's chosen kernel takes the pair (its math kernel refuses it)
+            stock = F.scaled_dot_product_attention(case.q, case.k, case.v, attn_mask=mask, is_causal=True,
+                                                   enable_gqa=case.gqa)
+        except RuntimeError as e:
+            assert "should not be set when is_causal" in str(e)
+        else:
+            torch.testing.assert_close(ours, stock, rtol=0, atol=1e-10)
+    want = run_with_grads(lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, attn_mask=combined, enable_gqa=case.gqa), case, torch.float64)
+    got = run_with_grads(lambda q, k, v: va.scaled_dot_product_attention(
+        q, k, v, mask, is_causal=True, enable_gqa=case.gqa), case, torch.float64)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10, msg=name)
+
+
+def test_causal_with_a_self_aligned_mask_still_packs():
+    keep = torch.tensor([[1, 1, 1, 0, 0, 1], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    mask = keep[:, None, :, None] & keep[:, None, None, :]
+    q, k, v = (torch.randn(2, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    va.reset_stats()
+    got = va.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+    if MASK_WITH_CAUSAL:
+        with torch.no_grad():
+            want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=True)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert va.stats()["backends"] == {"split_sdpa": 1}, va.stats()
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 1, 1), (2, 2, 1, 1), (2, 1, 5, 1), (1, 5, 1), (5, 1)])
+def test_masks_broadcast_over_keys(shape):
+    """Masks with a last dim of 1 broadcast over the keys, as SDPA broadcasts them."""
+    g = torch.Generator().manual_seed(sum(shape))
+    q, k, v = (torch.randn(2, 2, 5, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    # -inf, not -10000: a row where every key carries -10000 is stock's rounding of score - 1e4
+    # (~1e-12 here), which the property tests bound with their data-derived tolerance.
+    for mask in (torch.rand(shape, generator=g) > 0.4,
+                 torch.where(torch.rand(shape, generator=g) > 0.4, 0.0, float("-inf"))):
+        want = run_with_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                              _Case(q, k, v), torch.float64)
+        got = run_with_grads(lambda q, k, v: va.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                             _Case(q, k, v), torch.float64)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=f"{shape} {mask.dtype} {name}")
+
+
+class _Case:
+    def __init__(self, q, k, v, seed=0):
+        self.q, self.k, self.v, self.seed = q, k, v, seed
+
+
+@pytest.mark.parametrize("sq, sk", [(5, 0), (0, 5), (0, 0)])
+def test_zero_length_sequences(sq, sk):
+    q = torch.randn(2, 2, sq, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 2, sk, 8, dtype=torch.float64, requires_grad=True)
+    for mask in (None, torch.ones(2, 1, 1, sk, dtype=torch.bool), torch.zeros(2, 1, sq, sk)):
+        want = F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+        got = va.scaled_dot_product_attention(q, k, k, attn_mask=mask, backend="split_sdpa")
+        assert got.shape == want.shape and torch.equal(got, want)
+        got.sum().backward()  # gradients exist (zeros), as for stock
+        assert q.grad is not None and torch.equal(q.grad, torch.zeros_like(q))
+
+
+def test_meta_tensors_propagate_shapes():
+    """Init-on-meta tooling runs a forward on meta tensors for shapes: no data, nothing to pack."""
+    q = torch.empty(2, 3, 5, 8, device="meta")
+    k = v = torch.empty(2, 3, 7, 16, device="meta")[..., :8]
+    mask = torch.empty(2, 1, 1, 7, dtype=torch.bool, device="meta")
+    for entry in (lambda: va.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                  lambda: va.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask[:, 0, 0])):
+        out = entry()
+        assert out.is_meta and out.shape[0] == 2 and out.shape[-1] == 8
+
+
+def test_tensor_scale_as_sdpa_takes_it():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 5, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    mask = torch.rand(2, 1, 1, 5, generator=g) > 0.3
+    for scale in (torch.tensor(0.3), torch.tensor(0.3, dtype=torch.float64), 0.0):
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        torch.testing.assert_close(va.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), want,
+                                   rtol=0, atol=1e-12)
+    with pytest.raises(TypeError):  # a 1-D tensor: stock refuses it, so do we
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=torch.tensor([0.3]))
+    with pytest.raises(va.InputTypeError, match="scale must be a float, a 0-d tensor or None"):
+        va.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=torch.tensor([0.3]))

@@ -141,7 +141,7 @@ def causal_mask(mask4: torch.Tensor | None, sq: int, sk: int, device, top_left: 
         return tri
     if mask4.dtype == torch.bool:
         return mask4 & tri
-    return mask4.masked_fill(~tri, float("-inf"))
+    return torch.where(tri, mask4, float("-inf")).to(mask4.dtype)
 
 
 def masked_sdpa(q, k, v, mask4, opts: Options, reason: str | None = None) -> torch.Tensor:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+import torch.nn.functional as F
+
 from . import execution, op
 from ._errors import BackendUnavailableError, InputTypeError, InputValueError, describe
 from .execution import Options
@@ -81,10 +83,29 @@ def _check_qkv(query, key, value, enable_gqa: bool, layout: str):
 
 
 def _check_options(dropout_p, scale):
+    """Validate; returns ``scale`` as a float or None. SDPA also takes a 0-d tensor (read once
+    on the host, as SDPA reads it)."""
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise InputValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.is_complex():
+        return float(scale)
     if scale is not None and not isinstance(scale, (int, float)):
-        raise InputTypeError(f"scale must be a float or None, got {describe(scale)}")
+        raise InputTypeError(f"scale must be a float, a 0-d tensor or None, got {describe(scale)}")
+    return scale
+
+
+def _sdpa_takes_mask_with_causal() -> bool:
+    """Whether this torch's SDPA accepts ``attn_mask`` together with ``is_causal=True`` (2.13
+    does and applies ``mask & tril``, top-left aligned; older releases refuse)."""
+    x = torch.zeros(1, 1, 2, 8)
+    try:
+        F.scaled_dot_product_attention(x, x, x, attn_mask=torch.ones(2, 2, dtype=torch.bool), is_causal=True)
+    except (RuntimeError, ValueError):
+        return False
+    return True
+
+
+MASK_WITH_CAUSAL = _sdpa_takes_mask_with_causal()
 
 
 def _check_plan(plan, b: int, sq: int, sk: int, query, key) -> None:
@@ -107,7 +128,13 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
              policy: Policy) -> torch.Tensor:
     """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced."""
     b, sq, h, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
-    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+    if q.is_meta or q.numel() == 0 or k.numel() == 0:
+        # No data (meta tensors: shape propagation for init-on-meta tooling) or no tokens:
+        # nothing to pack; SDPA gives the shapes and the empty or zero results.
+        mask4 = None if mask is None else canonical_mask(mask, batch_size=b, num_heads=h, seqlen_q=sq,
+                                                         seqlen_k=sk, convention=convention)
+        return execution.masked_sdpa(q, k, v, mask4, opts)
+    if isinstance(mask, torch.Tensor) and mask.requires_grad and torch.is_grad_enabled():
         # Packing reads the mask only for its pattern: it would get no gradient. Decided before
         # the eager/traced split (``requires_grad`` is known while tracing), so both agree.
         r = execution.unpackable(policy, GRAD_MASK_REASON)
@@ -166,10 +193,18 @@ def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     (what ``enable_varlen``'s hook calls)."""
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
-    _check_options(dropout_p, scale)
+    scale = _check_options(dropout_p, scale)
     _check_plan(plan, b, sq, sk, query, key)
     if attn_mask is not None and is_causal:
-        raise InputValueError("attn_mask and is_causal=True cannot both be set (as in SDPA), got both")
+        if not MASK_WITH_CAUSAL:
+            raise InputValueError(
+                f"attn_mask and is_causal=True cannot both be set with torch {torch.__version__} "
+                f"(its SDPA refuses them too), got both")
+        if sq != sk:
+            # SDPA: mask & tril, top-left aligned. Equal Sq and Sk keep the causal option, which
+            # packs causal attention within self-aligned segments; top-left is bottom-right then.
+            attn_mask = execution.causal_mask(attn_mask, sq, sk, query.device, top_left=True)
+            is_causal = False
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     if is_causal and sq != sk and attn_mask is None and plan is None:
         # SDPA's is_causal is top-left aligned; varlen kernels align bottom-right.
@@ -220,7 +255,7 @@ def attention(
     """
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bshd")
-    _check_options(dropout_p, scale)
+    scale = _check_options(dropout_p, scale)
     _check_plan(plan, b, sq, sk, query, key)
     return dispatch(query, key, value, attn_mask, convention="model", plan=plan,
                     opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=Policy.of(backend, strict))

@@ -106,10 +106,12 @@ def canonical_mask(
                 f"[B, H, Sq, Sk] = {list(full)}: dim {axis} is {got}, expected {want} or 1"
             )
     if m.shape[-1] != seqlen_k:
-        raise InputValueError(
-            f"attn_mask's last dim must be the key length Sk={seqlen_k}, "
-            f"got shape {tuple(attn_mask.shape)}"
-        )
+        if m.shape[-1] != 1:
+            raise InputValueError(
+                f"attn_mask's last dim must be the key length Sk={seqlen_k} (or 1, broadcast), "
+                f"got shape {tuple(attn_mask.shape)}"
+            )
+        m = m.expand(*m.shape[:-1], seqlen_k)  # one value for every key, as SDPA broadcasts it
     return m
 
 

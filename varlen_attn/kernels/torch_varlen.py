@@ -40,6 +40,8 @@ class TorchVarlenBackend(Backend):
 
     def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
         reasons = super().not_supported_reasons(inp)
+        if not inp.scale > 0:  # also NaN
+            reasons.append(f"scale {inp.scale} is not > 0 (torch >= 2.15's varlen_attn refuses it; SDPA does not)")
         if self.installed():
             params = _api()[1]
             if inp.q.shape[1] != inp.k.shape[1] and "enable_gqa" not in params:
