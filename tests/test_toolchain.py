@@ -259,3 +259,41 @@ def test_tensor_scale_as_sdpa_takes_it():
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=torch.tensor([0.3]))
     with pytest.raises(va.InputTypeError, match="scale must be a float, a 0-d tensor or None"):
         va.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=torch.tensor([0.3]))
+
+
+# -- torch.inference_mode -----------------------------------------------------------------------
+
+def test_inference_mode_masks_are_never_stale():
+    """An inference tensor has no version counter: an in-place write leaves no trace, so such
+    masks are not cached by object; each call builds its plan (one sync)."""
+    q = torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    with torch.inference_mode():
+        mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+        mask[0, ..., 4:] = False
+        for edit in (None, (1, 2), (0, 1)):
+            if edit:
+                mask[edit[0], ..., edit[1]:] = False
+            va.reset_stats()
+            got = va.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+            torch.testing.assert_close(got, F.scaled_dot_product_attention(q, q, q, attn_mask=mask),
+                                       rtol=0, atol=1e-12)
+            assert va.stats()["plan_builds"] == 1
+
+
+def test_enabled_model_under_inference_mode_equals_stock():
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, tiny_chroma
+
+    model = tiny_chroma()
+    inputs = chroma_inputs((5, 2, 0))
+    with torch.inference_mode():
+        want = model(**inputs)[0]
+        va.enable_varlen(model)
+        try:
+            for _ in range(2):
+                va.reset_stats()
+                got = model(**chroma_inputs((5, 2, 0)))[0]
+                st_ = va.stats()
+                assert st_["plan_builds"] == 1 and st_["backends"] == {"split_sdpa": CHROMA_ATTN_LAYERS}, st_
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        finally:
+            va.disable_varlen(model)

@@ -367,6 +367,12 @@ class _PlanCache:
 
     A mask tensor cannot be a dict key (``==`` is elementwise), so entries are keyed by ``id``
     and hold a weak reference that both confirms identity and evicts the entry on collection.
+    "Not modified" is read from the tensor's version counter. An inference tensor
+    (``torch.inference_mode``) has none and can be written in place without a trace, so it is
+    never cached: each build costs its one sync (inside an enabled forward the scope still
+    shares one plan per forward), and a plan is never stale. Writes that bypass the counter of
+    a normal tensor (``.data``, numpy, the storage) are not seen: use a new tensor or
+    :func:`clear_plan_cache`.
     """
 
     def __init__(self, capacity: int = 32):
@@ -375,6 +381,8 @@ class _PlanCache:
         self._capacity = capacity
 
     def get(self, mask: torch.Tensor, key: tuple) -> VarlenPlan | None:
+        if mask.is_inference():
+            return None
         with self._lock:
             entry = self._entries.get(id(mask))
         if entry is None:
@@ -385,6 +393,8 @@ class _PlanCache:
         return plan
 
     def put(self, mask: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
+        if mask.is_inference():
+            return
         ident = id(mask)
 
         def evict(_ref, ident=ident):

@@ -100,12 +100,12 @@ class Scope:
 
     def key_of(self, t: torch.Tensor):
         entry = self.derived.get(id(t))
-        if entry is None or entry[0]() is not t or entry[2] != t._version:
+        if entry is None or entry[0]() is not t or entry[2] != _version(t):
             return None
         return entry[1]
 
     def mark(self, t: torch.Tensor, key) -> None:
-        self.derived[id(t)] = (weakref.ref(t), key, t._version)
+        self.derived[id(t)] = (weakref.ref(t), key, _version(t))
 
     def forget(self, t: torch.Tensor) -> None:
         self.derived.pop(id(t), None)
@@ -140,6 +140,12 @@ class Scope:
                     tuple(sorted((k, self._arg_key(v, like)) for k, v in kwargs.items())))
         except _Unkeyable:
             return None
+
+
+def _version(t: torch.Tensor):
+    """The version counter; an inference tensor has none. Keys live for one forward, and the
+    hook re-keys (or forgets) every tensor an in-place op writes, so None is safe there."""
+    return None if t.is_inference() else t._version
 
 
 def _flat(args, kwargs):
