@@ -156,7 +156,7 @@ def test_diffusers_attention_backend_is_native_while_enabled():
 def test_varlen_processor_per_module(stock):
     model = tiny_chroma()
     ref = stock()
-    model.set_attn_processor(va.VarlenAttnProcessor(backend="reference"))
+    va.VarlenAttnProcessor.wrap(model, backend="reference")
     va.reset_stats()
     got = step(model, chroma_inputs())
     assert_model_close(got, ref, what="chroma/VarlenAttnProcessor")

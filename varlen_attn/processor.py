@@ -100,8 +100,8 @@ class VarlenAttnProcessor:
 
     # -- a whole model ---------------------------------------------------------------------------
 
-    @classmethod
-    def wrap(cls, model: torch.nn.Module, backend: str | None = None, strict: bool = False) -> torch.nn.Module:
+    @staticmethod
+    def wrap(model: torch.nn.Module, backend: str | None = None, strict: bool = False) -> torch.nn.Module:
         """Wrap every diffusers attention module's *current* processor in ``model`` (``model``
         itself included) in its own ``VarlenAttnProcessor(processor, backend, strict)``.
 
@@ -128,7 +128,7 @@ class VarlenAttnProcessor:
                     f"the processor of {name or type(model).__name__} ({type(inner).__name__}) is a torch.nn.Module: "
                     "wrapped, its weights would leave the model's parameters and state dict. Use "
                     "varlen_attn.enable_varlen(model), which keeps every processor.")
-            new.append((module, inner if inner is None else cls(inner, backend, strict)))
+            new.append((module, None if inner is None else VarlenAttnProcessor(inner, backend, strict)))
         for module, proc in new:  # every wrapper made (and validated) before the first change
             if proc is not None:
                 module.set_processor(proc)
