@@ -297,3 +297,133 @@ def test_enabled_model_under_inference_mode_equals_stock():
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         finally:
             va.disable_varlen(model)
+
+
+# -- the model wrapper: deepcopy (EMA), torch.save, accelerate, exceptions ---------------------
+
+def _chroma_pair():
+    from _models import chroma_inputs, step, tiny_chroma
+    return tiny_chroma, chroma_inputs, step
+
+
+def test_deepcopy_of_an_enabled_model_runs_its_own_weights():
+    """EMA and teacher copies are made with copy.deepcopy: the copy is enabled too and runs, and
+    trains, its own weights; the original is untouched."""
+    import copy
+
+    from _testing import assert_model_close
+
+    tiny_chroma, chroma_inputs, step = _chroma_pair()
+    model = va.enable_varlen(tiny_chroma())
+    ema = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ema.parameters():
+            p.mul_(0.9)
+    twin = tiny_chroma()  # stock model with the copy's weights
+    twin.load_state_dict(ema.state_dict())
+    inputs = chroma_inputs()
+    va.reset_stats()
+    got = step(ema, inputs)
+    assert va.stats()["plan_builds"] == 1 and "split_sdpa" in va.stats()["backends"], va.stats()
+    assert all(p.grad is None for p in model.parameters()), "gradients went to the original"
+    assert_model_close(got, step(twin, inputs), what="ema copy")
+    assert (got[0] - step(model, inputs)[0]).abs().max() > 1e-3, "the copy ran the original's weights"
+    va.disable_varlen(ema)  # each copy is enabled and disabled on its own
+    assert hasattr(model, "_varlen_state") and "forward" not in ema.__dict__
+
+
+def test_torch_save_and_load_an_enabled_model():
+    import io
+
+    from _testing import assert_model_close
+
+    tiny_chroma, chroma_inputs, step = _chroma_pair()
+    model = va.enable_varlen(tiny_chroma(), backend="reference")
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    inputs = chroma_inputs()
+    va.reset_stats()
+    got = step(loaded, inputs)
+    assert va.stats()["backends"].get("reference"), va.stats()
+    assert_model_close(got, step(tiny_chroma(), inputs), what="loaded")
+    va.disable_varlen(loaded)
+    assert "forward" not in loaded.__dict__
+
+
+@pytest.mark.parametrize("order", ["enable_then_prepare", "prepare_then_enable"])
+def test_accelerate_prepare_unwrap_and_hooks(order):
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    from _testing import assert_model_close
+
+    tiny_chroma, chroma_inputs, step = _chroma_pair()
+    inputs = chroma_inputs()
+    model = tiny_chroma(dtype=torch.float32)
+    f32 = {k: v.float() if v is not None and v.is_floating_point() else v for k, v in inputs.items()
+           if k != "return_dict"}
+    stock = tiny_chroma(dtype=torch.float32)
+    accelerator = accelerate.Accelerator(cpu=True, mixed_precision="bf16")
+    try:
+        if order == "enable_then_prepare":
+            va.enable_varlen(model)
+            model = accelerator.prepare(model)
+        else:
+            model = accelerator.prepare(model)
+            va.enable_varlen(model)
+        stock_prepared = accelerator.prepare(stock)
+        va.reset_stats()
+        got = model(**f32, return_dict=False)[0]
+        assert va.stats()["plan_builds"] == 1, va.stats()
+        want = stock_prepared(**f32, return_dict=False)[0]
+        torch.testing.assert_close(got, want, rtol=0, atol=3e-2)  # both under bf16 autocast: rounding
+        plain = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
+        stock_plain = accelerator.unwrap_model(stock_prepared, keep_fp32_wrapper=False)
+        if order == "prepare_then_enable":
+            # unwrap strips accelerate's wrappers and the entry on top of them: stock float32
+            # runs (never the bf16 autocast it asked to remove); enabling again brings varlen back.
+            va.reset_stats()
+            torch.testing.assert_close(plain(**f32, return_dict=False)[0],
+                                       stock_plain(**f32, return_dict=False)[0], rtol=0, atol=0)
+            assert va.stats()["plan_builds"] == 0
+            va.enable_varlen(plain)
+        va.reset_stats()
+        got = step(plain, {**f32})
+        assert va.stats()["plan_builds"] == 1, va.stats()
+        assert_model_close(got[0], step(stock_plain, {**f32})[0], what=f"unwrapped/{order}")
+        # A hook added after enabling (as enable_model_cpu_offload adds them) survives disable.
+        add_hook_to_module(plain, ModelHook())
+        va.disable_varlen(plain)
+        assert hasattr(plain, "_hf_hook")
+        va.reset_stats()
+        out = plain(**f32, return_dict=False)[0]
+        assert va.stats()["plan_builds"] == 0, "disabled, yet varlen ran"
+        torch.testing.assert_close(out, stock_plain(**f32, return_dict=False)[0], rtol=0, atol=1e-6)
+        remove_hook_from_module(plain)
+    finally:
+        from accelerate.state import AcceleratorState, GradientState
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_nothing_is_left_behind_after_an_exception_in_forward():
+    from varlen_attn.scope import current_scope
+
+    tiny_chroma, chroma_inputs, step = _chroma_pair()
+    model = va.enable_varlen(tiny_chroma())
+    model.enable_gradient_checkpointing()
+    funcs = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
+             if getattr(m, "_gradient_checkpointing_func", None) is not None}
+    depth = torch._C._len_torch_function_stack()
+    bad = chroma_inputs()
+    bad["hidden_states"] = bad["hidden_states"][:, :3]  # image tokens do not match img_ids
+    with pytest.raises(Exception):
+        model(**bad)
+    assert current_scope() is None and torch._C._len_torch_function_stack() == depth
+    assert {n: m._gradient_checkpointing_func for n, m in model.named_modules()
+            if getattr(m, "_gradient_checkpointing_func", None) is not None} == funcs
+    va.reset_stats()
+    step(model, chroma_inputs())
+    assert va.stats()["plan_builds"] == 1

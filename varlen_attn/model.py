@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import weakref
 
 import torch
 
@@ -30,19 +29,72 @@ from .scope import Policy, Scope
 
 
 class _State:
-    def __init__(self, model, backend, strict, float_mask, restore_checkpoint_mask):
-        self.model_ref = weakref.ref(model)
+    """What ``enable_varlen`` keeps on the model (``model._varlen_state``): plain data and the
+    model's forward entry, no closure and no reference outside the model, so it deep-copies and
+    pickles with the model."""
+
+    def __init__(self, backend, strict, float_mask, restore_checkpoint_mask):
         self.backend = backend
         self.strict = strict
         self.float_mask = float_mask
         self.restore_checkpoint_mask = restore_checkpoint_mask
-        self.had_forward_attr = "forward" in model.__dict__
-        self.orig_forward_attr = model.__dict__.get("forward")
         self.saved_backends: list[tuple[object, object]] = []
-        self.signature = inspect.signature(model.forward)
+        self.entry: _Forward | None = None
 
     def policy(self) -> Policy:
         return Policy.of(self.backend, self.strict, self.float_mask, model=True)
+
+
+class _Forward:
+    """``model.forward`` while enabled: a plain callable object holding its module, so that
+    ``copy.deepcopy`` (EMA and teacher copies) rebinds it to the copy and ``torch.save`` pickles
+    it with the model. ``inner`` is the instance ``forward`` it replaced (another wrapper), or
+    None for the class's own. After :func:`disable_varlen` it only passes calls through, for
+    wrappers added around it later (accelerate's) that still hold it."""
+
+    def __init__(self, module: torch.nn.Module, inner):
+        self.module = module
+        self.inner = inner
+        self.active = True
+
+    @property
+    def __signature__(self):  # inspect.signature(model.forward), as diffusers pipelines read it
+        return inspect.signature(self._target(self.module))
+
+    @property
+    def __wrapped__(self):
+        # Only when this entry wraps another instance-level forward: accelerate's unwrap_model
+        # follows __wrapped__ to strip its own wrappers; enabled after accelerate's prepare, this
+        # entry goes with them (the model then runs stock; enable again), rather than keeping
+        # a bf16 autocast that keep_fp32_wrapper=False asked to remove.
+        if self.inner is None:
+            raise AttributeError("__wrapped__")
+        return self.inner
+
+    def _target(self, module):
+        return self.inner if self.inner is not None else type(module).forward.__get__(module, type(module))
+
+    def __call__(self, *args, **kwargs):
+        if args and isinstance(args[0], torch.nn.Module):
+            # Bound with MethodType to a module (accelerate's unwrap_model re-binds the forward it
+            # finds): that module's own entry runs, which is this one unless the binding was
+            # deep-copied with another model.
+            state = getattr(args[0], "_varlen_state", None)
+            if state is not None and state.entry is not None:
+                return state.entry._run(args[1:], kwargs)
+            if args[0] is self.module:
+                args = args[1:]
+        return self._run(args, kwargs)
+
+    def _run(self, args, kwargs):
+        module = self.module
+        target = self._target(module)
+        state = getattr(module, "_varlen_state", None)
+        if not self.active or state is None:
+            return target(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            return _traced_forward(module, state, target, args, kwargs)
+        return _run_forward(module, state, target, args, kwargs)
 
 
 def enable_varlen(
@@ -79,7 +131,7 @@ def enable_varlen(
     Policy.of(backend, strict, float_mask)  # validate now, not at the first forward
     if getattr(model, "_varlen_state", None) is not None:
         disable_varlen(model)
-    state = _State(model, backend, strict, float_mask, restore_checkpoint_mask)
+    state = _State(backend, strict, float_mask, restore_checkpoint_mask)
     # diffusers routes attention to a non-native backend when one was set per processor; those
     # (e.g. flash_varlen) bypass SDPA and some are wrong for joint sequences. Use native while enabled.
     for module in model.modules():
@@ -87,28 +139,28 @@ def enable_varlen(
         if proc is not None and getattr(proc, "_attention_backend", None) is not None:
             state.saved_backends.append((proc, proc._attention_backend))
             proc._attention_backend = None
-    orig_forward = model.forward
-
-    @functools.wraps(orig_forward)
-    def forward(*args, **kwargs):
-        if torch.compiler.is_compiling():
-            return _traced_forward(model, state, orig_forward, args, kwargs)
-        return _run_forward(model, state, orig_forward, args, kwargs)
-
-    model.forward = forward
+    state.entry = _Forward(model, model.__dict__.get("forward"))
+    model.forward = state.entry
     model._varlen_state = state
     return model
 
 
 def disable_varlen(model: torch.nn.Module) -> torch.nn.Module:
-    """Undo :func:`enable_varlen` exactly: the original forward and attention backends return."""
+    """Undo :func:`enable_varlen`, removing only what it added: the forward it replaced and the
+    attention backends return. When something wrapped the model's forward after enabling
+    (accelerate's ``prepare`` or its hooks), that wrapper stays, and the entry it holds passes
+    calls straight through from now on."""
     state = getattr(model, "_varlen_state", None)
     if state is None:
         return model
-    if state.had_forward_attr:
-        model.forward = state.orig_forward_attr
-    else:
-        del model.forward
+    entry = state.entry
+    entry.active = False
+    current = model.__dict__.get("forward")
+    if current is entry or getattr(current, "__func__", None) is entry:
+        if entry.inner is not None:
+            model.forward = entry.inner
+        else:
+            del model.forward
     for proc, backend in state.saved_backends:
         proc._attention_backend = backend
     del model._varlen_state
@@ -129,9 +181,16 @@ class varlen:  # noqa: N801 - a context manager named like the function it wraps
         return False
 
 
+@functools.lru_cache(maxsize=64)
+def _signature(cls) -> inspect.Signature:
+    """The class's forward signature without ``self``: mask inputs are found by name."""
+    params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    return inspect.Signature(params)
+
+
 def _run_forward(model, state: _State, orig_forward, args, kwargs):
     scope = Scope(state.policy())
-    bound = state.signature.bind_partial(*args, **kwargs)
+    bound = _signature(type(model)).bind_partial(*args, **kwargs)
     for name, value in bound.arguments.items():
         # Mask inputs, also inside dicts such as Flux's joint_attention_kwargs={"attention_mask": m}.
         items = value.items() if isinstance(value, dict) else [(name, value)]
