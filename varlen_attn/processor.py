@@ -30,6 +30,12 @@ _WHAT_TO_DO = (
 )
 
 
+def _to_inner(name: str) -> property:
+    """An attribute read and written through to the wrapped processor."""
+    return property(lambda self: getattr(self.processor, name),
+                    lambda self, value: setattr(self.processor, name, value))
+
+
 class VarlenAttnProcessor:
     """A diffusers attention processor that runs another processor with varlen attention.
 
@@ -82,21 +88,8 @@ class VarlenAttnProcessor:
                 f"strict={getattr(self, 'strict', False)!r})")
 
     # diffusers sets these on module.processor when hasattr() says the processor has them.
-    @property
-    def _attention_backend(self):
-        return self.processor._attention_backend
-
-    @_attention_backend.setter
-    def _attention_backend(self, value):
-        self.processor._attention_backend = value
-
-    @property
-    def _parallel_config(self):
-        return self.processor._parallel_config
-
-    @_parallel_config.setter
-    def _parallel_config(self, value):
-        self.processor._parallel_config = value
+    _attention_backend = _to_inner("_attention_backend")
+    _parallel_config = _to_inner("_parallel_config")
 
     # -- a whole model ---------------------------------------------------------------------------
 
