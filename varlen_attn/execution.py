@@ -24,6 +24,7 @@ from ._errors import BackendUnavailableError, InputValueError, NotPackableError
 from .fused import FusedAttention, packed_backward, packed_forward
 from .kernels import SDPA, Backend, VarlenInputs, select
 from .kernels._base import empty_output
+from .masks import canonical_mask
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
 from .plan import VarlenPlan
 
@@ -48,6 +49,14 @@ class Route:
     reason: str | None = None
     scale: float = 0.0  # the softmax scale the varlen kernel uses
     fused: bool = False  # one autograd node (impl has its own backward)
+
+
+def mask4_of(mask: torch.Tensor | None, q, k, convention: str) -> torch.Tensor | None:
+    """``mask`` viewed as ``[B|1, H|1, Sq|1, Sk]`` for padded ``[B, S, H, D]`` q and k (no copy)."""
+    if mask is None:
+        return None
+    return canonical_mask(mask, batch_size=q.shape[0], num_heads=q.shape[2], seqlen_q=q.shape[1],
+                          seqlen_k=k.shape[1], convention=convention)
 
 
 def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Options, policy) -> Route:

@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from . import execution, op
 from ._errors import BackendUnavailableError, InputTypeError, InputValueError, describe
 from .execution import Options
-from .masks import canonical_mask
 from .plan import VarlenPlan
 from .scope import Policy, current_scope, resolve_plan
 
@@ -127,27 +126,21 @@ GRAD_MASK_REASON = ("attn_mask requires grad (a learned bias): masked SDPA runs,
 def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
              policy: Policy) -> torch.Tensor:
     """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced."""
-    b, sq, h, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+    mask4 = execution.mask4_of(mask, q, k, convention)  # a view; also validates the mask's shape
     if q.is_meta or q.numel() == 0 or k.numel() == 0:
         # No data (meta tensors: shape propagation for init-on-meta tooling) or no tokens:
         # nothing to pack; SDPA gives the shapes and the empty or zero results.
-        mask4 = None if mask is None else canonical_mask(mask, batch_size=b, num_heads=h, seqlen_q=sq,
-                                                         seqlen_k=sk, convention=convention)
         return execution.masked_sdpa(q, k, v, mask4, opts)
-    if isinstance(mask, torch.Tensor) and mask.requires_grad and torch.is_grad_enabled():
+    if mask4 is not None and mask.requires_grad and torch.is_grad_enabled():
         # Packing reads the mask only for its pattern: it would get no gradient. Decided before
         # the eager/traced split (``requires_grad`` is known while tracing), so both agree.
-        r = execution.unpackable(policy, GRAD_MASK_REASON)
-        mask4 = canonical_mask(mask, batch_size=b, num_heads=h, seqlen_q=sq, seqlen_k=sk, convention=convention)
-        return execution.run(q, k, v, None, mask4, r, opts)
+        return execution.run(q, k, v, None, mask4, execution.unpackable(policy, GRAD_MASK_REASON), opts)
     if torch.compiler.is_compiling():
         if mask is None and plan is None and policy.unmasked_is_sdpa:
             return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA, inside the graph
         return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
-    plan = resolve_plan(mask, batch=b, heads=h, seqlen_q=sq, seqlen_k=sk, device=q.device,
-                        convention=convention, policy=policy, plan=plan, scope=current_scope())
-    mask4 = None if mask is None else canonical_mask(mask, batch_size=b, num_heads=h, seqlen_q=sq,
-                                                     seqlen_k=sk, convention=convention)
+    plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                        device=q.device, convention=convention, policy=policy, plan=plan, scope=current_scope())
     return execution.attend(q, k, v, plan, mask4, opts, policy)
 
 

@@ -188,6 +188,22 @@ def _signature(cls) -> inspect.Signature:
     return inspect.Signature(params)
 
 
+_PARAM_NAMES: dict[type, tuple[str, ...] | None] = {}
+
+
+@torch._dynamo.assume_constant_result  # traced: called once while tracing, its result a constant
+def _param_names(cls) -> tuple[str, ...] | None:
+    """The names of a block class's forward parameters (without ``self``), once per class:
+    checkpointed blocks are called twice per step each (forward and recomputation). A plain
+    dict, not lru_cache: dynamo inlines lru_cache wrappers and cannot trace inspect there."""
+    if cls not in _PARAM_NAMES:
+        try:
+            _PARAM_NAMES[cls] = tuple(_signature(cls).parameters)
+        except (TypeError, ValueError):
+            _PARAM_NAMES[cls] = None
+    return _PARAM_NAMES[cls]
+
+
 def _run_forward(model, state: _State, orig_forward, args, kwargs):
     scope = Scope(state.policy())
     bound = _signature(type(model)).bind_partial(*args, **kwargs)
@@ -255,9 +271,8 @@ def _restore_mask(block, args, kwargs, mask):
     """Append ``mask`` as ``attention_mask`` when ``block`` takes it right after the given
     positional arguments and the caller left it out (diffusers' checkpoint helper passes
     positional arguments only)."""
-    try:
-        params = list(inspect.signature(block.forward).parameters)
-    except (TypeError, ValueError):
+    params = _param_names(type(block))
+    if params is None:
         return args
     if "attention_mask" in kwargs or "attention_mask" not in params:
         return args

@@ -34,7 +34,6 @@ from torch import Tensor
 from . import _stats, execution
 from ._errors import InputValueError
 from .execution import Options
-from .masks import canonical_mask
 from .plan import VarlenPlan, plan_of_token
 from .scope import Policy, current_scope, resolve_plan
 
@@ -81,8 +80,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
                 raise InputValueError("the plan passed to attention was freed before the compiled call ran")
         plan = resolve_plan(mask, batch=b, heads=h, seqlen_q=sq, seqlen_k=sk, device=q.device,
                             convention=convention, policy=policy, plan=plan, scope=current_scope())
-        mask4 = None if mask is None else canonical_mask(mask, batch_size=b, num_heads=h, seqlen_q=sq,
-                                                         seqlen_k=sk, convention=convention)
+        mask4 = execution.mask4_of(mask, q, k, convention)
         r = execution.route(q, k, v, plan, mask4, opts, policy)
         lse_buf = q.new_empty((h, b * sq), dtype=torch.float32)
         if r.fused:
