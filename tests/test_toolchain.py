@@ -414,6 +414,7 @@ def test_nothing_is_left_behind_after_an_exception_in_forward():
     tiny_chroma, chroma_inputs, step = _chroma_pair()
     model = va.enable_varlen(tiny_chroma())
     model.enable_gradient_checkpointing()
+    step(model, chroma_inputs())  # installs the checkpoint wrappers, which stay while enabled
     funcs = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
              if getattr(m, "_gradient_checkpointing_func", None) is not None}
     depth = torch._C._len_torch_function_stack()
@@ -427,3 +428,62 @@ def test_nothing_is_left_behind_after_an_exception_in_forward():
     va.reset_stats()
     step(model, chroma_inputs())
     assert va.stats()["plan_builds"] == 1
+
+
+def test_one_model_from_several_threads_with_checkpointing():
+    """Trainers and servers share one model between threads: with gradient checkpointing on,
+    each thread's forward and backward (recomputation included) equal stock's for its own batch,
+    and no module is left changed. The checkpoint wrappers hold no per-forward state."""
+    import threading
+
+    from _models import loss
+    from _testing import assert_model_close
+
+    tiny_chroma, chroma_inputs, _ = _chroma_pair()
+    stock = tiny_chroma()  # without checkpointing: stock Chroma drops the mask of checkpointed blocks
+    model = va.enable_varlen(tiny_chroma())
+    model.enable_gradient_checkpointing()  # after enabling: wrapped at the first forward
+    params = [p for p in model.parameters()]
+    batches = [chroma_inputs(lengths=lens, seed=s) for s, lens in enumerate([(5, 2, 0), (7, 1, 3), (0, 0, 6)])]
+
+    def run(m, inputs):
+        out = m(**inputs)[0]
+        return out.detach(), torch.autograd.grad(loss(out), [p for p in m.parameters()], allow_unused=True)
+
+    want = [run(stock, b) for b in batches]
+    funcs_before = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
+                    if "_gradient_checkpointing_func" in m.__dict__}
+    rounds, results, errors = 4, {}, []
+    barrier = threading.Barrier(len(batches))
+
+    def worker(i):
+        try:
+            for r in range(rounds):
+                barrier.wait()
+                results[i, r] = run(model, batches[i])
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+            barrier.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(batches))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    names = [n for n, _ in model.named_parameters()]
+    for (i, r), (out, grads) in sorted(results.items()):
+        w_out, w_grads = want[i]
+        got = {n: g for n, g in zip(names, grads) if g is not None}
+        ref = {n: g for n, g in zip(names, w_grads) if g is not None}
+        assert got.keys() == ref.keys()
+        assert_model_close((out, got), (w_out, ref), what=f"thread {i}, round {r}")
+    assert len(params) == len(names)
+    # Each function wrapped once, around the function diffusers set; disabling restores it.
+    after = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
+             if "_gradient_checkpointing_func" in m.__dict__}
+    assert after.keys() == funcs_before.keys()
+    assert all(getattr(after[n], "func", None) is f for n, f in funcs_before.items())
+    va.disable_varlen(model)
+    assert {n: m._gradient_checkpointing_func for n, m in model.named_modules()
+            if "_gradient_checkpointing_func" in m.__dict__} == funcs_before

@@ -25,7 +25,7 @@ import torch
 
 from ._errors import InputTypeError, describe
 from .hook import VarlenHook, active
-from .scope import Policy, Scope
+from .scope import Policy, Scope, current_scope
 
 
 class _State:
@@ -40,6 +40,7 @@ class _State:
         self.restore_checkpoint_mask = restore_checkpoint_mask
         self.saved_backends: list[tuple[object, object]] = []
         self.entry: _Forward | None = None
+        self.checkpointed: list[torch.nn.Module] = []
 
     def policy(self) -> Policy:
         return Policy.of(self.backend, self.strict, self.float_mask, model=True)
@@ -139,6 +140,8 @@ def enable_varlen(
         if proc is not None and getattr(proc, "_attention_backend", None) is not None:
             state.saved_backends.append((proc, proc._attention_backend))
             proc._attention_backend = None
+    state.checkpointed = _checkpointing_modules(model)
+    _install_checkpointing(state)
     state.entry = _Forward(model, model.__dict__.get("forward"))
     model.forward = state.entry
     model._varlen_state = state
@@ -163,6 +166,7 @@ def disable_varlen(model: torch.nn.Module) -> torch.nn.Module:
             del model.forward
     for proc, backend in state.saved_backends:
         proc._attention_backend = backend
+    _uninstall_checkpointing(state)
     del model._varlen_state
     return model
 
@@ -213,58 +217,89 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
         for sub, t in items:
             if "mask" in str(sub) and isinstance(t, torch.Tensor):
                 scope.add_root(sub if sub == name else f"{name}.{sub}", t)
-    mask = scope.roots.get("attention_mask") if state.restore_checkpoint_mask else None
-    wrapped = _wrap_checkpointing(model, mask, scope)
-    try:
-        with active(scope):
-            return orig_forward(*bound.args, **bound.kwargs)
-    finally:
-        _unwrap(wrapped)
+    if state.restore_checkpoint_mask:
+        scope.checkpoint_mask = scope.roots.get("attention_mask")
+    _install_checkpointing(state)
+    with active(scope):
+        return orig_forward(*bound.args, **bound.kwargs)
 
 
 def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     """The forward as dynamo traces it (the whole model compiled): the hook with the policy
     only (plans are resolved at run time inside the custom op), derivation tracking off, and the
     checkpointed blocks given back their mask. The recomputation is part of the compiled graph,
-    so it needs no scope to re-enter."""
+    so it needs no scope to re-enter. The checkpoint functions are swapped while tracing only:
+    the compiled code holds the traced calls, and no module is left changed."""
     mask = kwargs.get("attention_mask") if state.restore_checkpoint_mask else None
-    wrapped = _wrap_checkpointing(model, mask if isinstance(mask, torch.Tensor) else None, None)
+    swapped = []
+    if isinstance(mask, torch.Tensor):
+        for module in state.checkpointed:
+            func = module.__dict__.get("_gradient_checkpointing_func")
+            if func is not None:
+                module._gradient_checkpointing_func = functools.partial(_traced_checkpoint, func, mask)
+                swapped.append((module, func))
     try:
         with VarlenHook(Scope(state.policy())):
             return orig_forward(*args, **kwargs)
     finally:
-        _unwrap(wrapped)
+        for module, func in swapped:
+            module._gradient_checkpointing_func = func
 
 
-def _wrap_checkpointing(model, mask: torch.Tensor | None, scope: Scope | None):
-    """Wrap every ``_gradient_checkpointing_func``: checkpointed blocks get ``mask`` back as
-    ``attention_mask`` where diffusers left it out, and the recomputation re-enters ``scope``."""
-    wrapped = []
-    for module in model.modules():
-        func = getattr(module, "_gradient_checkpointing_func", None)
-        if func is None or not getattr(module, "gradient_checkpointing", False):
-            continue
-
-        def ckpt(block, *args, _func=func, **kwargs):
-            if mask is not None and isinstance(block, torch.nn.Module):
-                args = _restore_mask(block, args, kwargs, mask)
-            if scope is None:
-                return _func(block, *args, **kwargs)
-
-            def run(*a, **kw):  # diffusers' helper calls ``module.__call__``: a function has one
-                with active(scope):
-                    return block(*a, **kw)
-
-            return _func(run, *args, **kwargs)
-
-        module._gradient_checkpointing_func = ckpt
-        wrapped.append((module, func))
-    return wrapped
+def _traced_checkpoint(func, mask, block, *args, **kwargs):
+    if isinstance(block, torch.nn.Module):
+        args = _restore_mask(block, args, kwargs, mask)
+    return func(block, *args, **kwargs)
 
 
-def _unwrap(wrapped) -> None:
-    for module, func in wrapped:
-        module._gradient_checkpointing_func = func
+class _Checkpoint:
+    """A module's ``_gradient_checkpointing_func`` while the model is enabled, installed once
+    and left in place: it holds no per-forward state. At call time it reads the scope of the
+    forward running on the calling thread, gives diffusers' checkpointed blocks back their mask
+    where diffusers left it out, and makes the recomputation (which runs in backward, possibly
+    on another thread) re-enter that scope: same plans, no rebuild, same kernels. One model can
+    so run forwards on several threads at once. A plain object: it deep-copies and pickles with
+    its module."""
+
+    def __init__(self, func):
+        self.func = func
+
+    def __call__(self, block, *args, **kwargs):
+        scope = None if torch.compiler.is_compiling() else current_scope()
+        if scope is None:  # outside an enabled forward, or traced (see _traced_forward)
+            return self.func(block, *args, **kwargs)
+        if scope.checkpoint_mask is not None and isinstance(block, torch.nn.Module):
+            args = _restore_mask(block, args, kwargs, scope.checkpoint_mask)
+
+        def run(*a, **kw):  # diffusers' helper calls ``module.__call__``: a function has one
+            with active(scope):
+                return block(*a, **kw)
+
+        return self.func(run, *args, **kwargs)
+
+
+def _checkpointing_modules(model) -> list[torch.nn.Module]:
+    """The modules that can hold a ``_gradient_checkpointing_func``: diffusers sets one on every
+    module with a ``gradient_checkpointing`` attribute (there from ``__init__``)."""
+    return [m for m in model.modules()
+            if hasattr(m, "gradient_checkpointing") or "_gradient_checkpointing_func" in m.__dict__]
+
+
+def _install_checkpointing(state: _State) -> None:
+    """Wrap each ``_gradient_checkpointing_func`` in a :class:`_Checkpoint`, once; a function set
+    later (``enable_gradient_checkpointing`` after ``enable_varlen``) is wrapped at the next
+    forward. Idempotent, so threads racing here install equal wrappers."""
+    for module in state.checkpointed:
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if func is not None and not isinstance(func, _Checkpoint):
+            module._gradient_checkpointing_func = _Checkpoint(func)
+
+
+def _uninstall_checkpointing(state: _State) -> None:
+    for module in state.checkpointed:
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if isinstance(func, _Checkpoint):
+            module._gradient_checkpointing_func = func.func
 
 
 def _restore_mask(block, args, kwargs, mask):

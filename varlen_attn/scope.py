@@ -92,6 +92,8 @@ class Scope:
         self.derived: dict[int, tuple] = {}
         self.plans: dict[tuple, VarlenPlan] = {}
         self.roots: dict[str, torch.Tensor] = {}
+        # The mask handed back to checkpointed blocks that diffusers calls without it.
+        self.checkpoint_mask: torch.Tensor | None = None
 
     def add_root(self, name: str, t: torch.Tensor) -> None:
         """A mask input of the model: the start of every derivation."""
