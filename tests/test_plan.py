@@ -1,9 +1,11 @@
 """Plan invariants, mask classification, caching, and the one-sync rule."""
 
+import contextlib
 import threading
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import assume, given, note
 
 import varlen_attn as va
@@ -106,7 +108,10 @@ def test_plan_from_seqlens_matches_mask_plan():
     assert torch.equal(a.indices_q, b.indices_q) and torch.equal(a.cu_seqlens_k, b.cu_seqlens_k)
 
 
-def test_plan_built_once_and_reused_without_sync():
+def test_plan_built_once_and_checked_not_rebuilt():
+    """The same mask object in ten functional calls: one build; each later call checks the mask
+    against the cached copy (one ``equal``, no build); the backward adds nothing. A prebuilt plan
+    (``plan=``) costs no sync at all: the way to one sync per step outside enable_varlen."""
     torch.manual_seed(0)
     b, h, s, d = 3, 2, 40, 16
     keep = torch.ones(b, s, dtype=torch.bool)
@@ -123,13 +128,43 @@ def test_plan_built_once_and_reused_without_sync():
         for _ in range(10):  # ten "layers" handed the same mask object
             out = va.scaled_dot_product_attention(q, k, v, mask)
         out.sum().backward()
-    assert layers.ops == []
-    assert va.stats()["plan_builds"] == 1 and va.stats()["host_syncs"] == 1
-    # A prebuilt plan skips even the cache lookup.
+    assert layers.ops == ["equal.default"] * 10
+    assert va.stats()["plan_builds"] == 1 and va.stats()["host_syncs"] == 11
     plan = va.build_plan(keep)
+    va.reset_stats()
     with CountSyncs() as with_plan:
-        va.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan=plan)
-    assert with_plan.ops == [] and va.stats()["plan_builds"] == 2
+        for _ in range(10):
+            va.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), plan=plan)
+    assert with_plan.ops == [] and va.stats()["host_syncs"] == 0
+
+
+@pytest.mark.parametrize("write", ["data", "numpy", "storage", "inference"])
+def test_writes_the_version_counter_misses_never_give_a_stale_plan(write):
+    """A mask edited without a version bump (``.data``, numpy, its storage, or an inference
+    tensor) gets a new plan: the cache compares values, not only identity and version."""
+    q = torch.randn(2, 2, 6, 8, dtype=torch.float64)
+    ctx = torch.inference_mode() if write == "inference" else contextlib.nullcontext()
+    with ctx:
+        mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+        first = va.build_plan(mask)
+        version = None if write == "inference" else mask._version
+        if write == "data":
+            mask.data[0, ..., 2:] = False
+        elif write == "numpy":
+            mask.numpy()[0, ..., 2:] = False
+        elif write == "storage":
+            view = torch.empty(0, dtype=torch.bool).set_(mask.untyped_storage()).view(2, 6)
+            view.detach().numpy()[0, 2:] = False
+        else:
+            mask[0, ..., 2:] = False
+        assert version is None or mask._version == version, "the write was meant to bypass the counter"
+        va.reset_stats()
+        plan = va.build_plan(mask)
+        assert plan is not first and plan.seqlens_k == (2, 6) and va.stats()["plan_builds"] == 1
+        assert va.build_plan(mask) is plan, "an unchanged mask keeps its plan"
+        got = va.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+        torch.testing.assert_close(got, F.scaled_dot_product_attention(q, q, q, attn_mask=mask),
+                                   rtol=0, atol=1e-12)
 
 
 def test_cache_sees_in_place_changes_and_new_objects():

@@ -6,9 +6,11 @@ few numbers the host needs in **one** device-to-host transfer, and returns a fro
 and keys (int64, on the device), ``max_seqlen_q/k`` and token totals as Python ints, and host
 copies of every segment length. Using a plan never syncs.
 
-Plans are cached by mask tensor *object* (and its in-place version counter): every layer that
-is handed the same mask tensor gets the same plan without rebuilding it.
-:func:`clear_plan_cache` empties that cache; ``build_plan(..., cache=False)`` bypasses it.
+Plans are cached by mask tensor *object*, and reused only after a check on the device that the
+mask still holds the values the plan was built from (one host read instead of a build's one;
+see :class:`_PlanCache`). :func:`clear_plan_cache` empties that cache;
+``build_plan(..., cache=False)`` bypasses it. Inside an enabled forward the scope
+(:mod:`varlen_attn.scope`) shares one plan between layers with no check at all.
 """
 
 from __future__ import annotations
@@ -175,8 +177,10 @@ def build_plan(
             False always builds (one sync) and leaves the cache untouched.
 
     Returns:
-        A frozen plan. Cached by mask object: calling again with the same unmodified mask
-        tensor and shape returns the same plan without any work.
+        A frozen plan. Cached by mask object: calling again with the same mask tensor and shape
+        returns the same plan after one device-side comparison with a copy of the mask (a
+        host read, no build); a mask changed in any way, also through ``.data``, numpy, its
+        storage or under ``torch.inference_mode``, gets a new plan.
 
     Raises:
         InputValueError: NaN or +inf in the mask, or a shape that does not fit.
@@ -362,17 +366,21 @@ def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) ->
     return dataclasses.replace(plan, read_as_bool=True) if read_as_bool else plan
 
 
+# Masks up to this many elements are cached (their snapshot is a copy); larger ones, such as a
+# per-forward ``[B, 1, S, S]`` mask of a joint sequence, are built each time.
+_SNAPSHOT_MAX = 1 << 22
+
+
 class _PlanCache:
-    """Plans keyed by mask object identity, valid while the mask lives and is not modified.
+    """Plans keyed by mask object, reused only after checking the mask still holds the values
+    the plan was built from.
 
     A mask tensor cannot be a dict key (``==`` is elementwise), so entries are keyed by ``id``
     and hold a weak reference that both confirms identity and evicts the entry on collection.
-    "Not modified" is read from the tensor's version counter. An inference tensor
-    (``torch.inference_mode``) has none and can be written in place without a trace, so it is
-    never cached: each build costs its one sync (inside an enabled forward the scope still
-    shares one plan per forward), and a plan is never stale. Writes that bypass the counter of
-    a normal tensor (``.data``, numpy, the storage) are not seen: use a new tensor or
-    :func:`clear_plan_cache`.
+    The version counter alone cannot prove a mask unchanged: inference tensors have none, and
+    writes through ``.data``, numpy or the storage leave it as it was. So each entry keeps a
+    copy of the mask, and a hit compares the mask with it on the device: one host read (counted
+    in ``stats()["host_syncs"]``), in place of a build's one. A mask that differs is rebuilt.
     """
 
     def __init__(self, capacity: int = 32):
@@ -380,20 +388,25 @@ class _PlanCache:
         self._lock = threading.Lock()
         self._capacity = capacity
 
+    @staticmethod
+    def _cacheable(mask: torch.Tensor) -> bool:
+        return mask.device.type != "meta" and mask.numel() <= _SNAPSHOT_MAX
+
     def get(self, mask: torch.Tensor, key: tuple) -> VarlenPlan | None:
-        if mask.is_inference():
-            return None
         with self._lock:
             entry = self._entries.get(id(mask))
         if entry is None:
             return None
-        ref, version, entry_key, plan = entry
-        if ref() is not mask or version != mask._version or entry_key != key:
+        ref, entry_key, snapshot, plan = entry
+        if ref() is not mask or entry_key != key:
+            return None
+        _stats.record_host_sync()
+        if not torch.equal(snapshot, mask):
             return None
         return plan
 
     def put(self, mask: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
-        if mask.is_inference():
+        if not self._cacheable(mask):
             return
         ident = id(mask)
 
@@ -403,10 +416,11 @@ class _PlanCache:
                 if entry is not None and entry[0] is _ref:
                     del self._entries[ident]
 
+        snapshot = mask.detach().clone()
         with self._lock:
-            if len(self._entries) >= self._capacity:
+            if len(self._entries) >= self._capacity and ident not in self._entries:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[ident] = (weakref.ref(mask, evict), mask._version, key, plan)
+            self._entries[ident] = (weakref.ref(mask, evict), key, snapshot, plan)
 
     def clear(self) -> None:
         with self._lock:

@@ -11,8 +11,10 @@ inputs): Chroma's ``m[:, None, None, :] * m[:, None, :, None]`` in every block, 
 ``cat([text_mask, ones])``, Sana's ``(1 - m) * -10000``. Two masks with equal keys hold equal
 values, so every layer whose mask has the same key shares one plan: one build, one host sync
 per forward, though each block makes a new mask tensor. A mask whose derivation is unknown still
-works; it gets the plan cached for its tensor object (:func:`varlen_attn.build_plan`), which
-costs a sync when new. Results never depend on the keys; only the number of plan builds does.
+works: it is keyed by its object for the rest of the forward (:meth:`Scope.key_object`), and
+its first use asks :func:`varlen_attn.build_plan`, whose cache checks values (one host read).
+Within one forward a mask is trusted not to change behind the hook's back; results never
+depend on the keys, only the number of plan builds does.
 
 The scope of the running forward is thread-local (:func:`current_scope`), so two models in two
 threads never meet.
@@ -20,6 +22,7 @@ threads never meet.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import weakref
@@ -109,6 +112,14 @@ class Scope:
     def mark(self, t: torch.Tensor, key) -> None:
         self.derived[id(t)] = (weakref.ref(t), key, _version(t))
 
+    def key_object(self, t: torch.Tensor) -> tuple:
+        """Key a mask of unknown derivation by its identity for the rest of this forward: the
+        layers handed this same tensor share one plan (its values are trusted for one forward,
+        as derivation keys are; across forwards the plan cache checks them)."""
+        key = ("object", next(_object_keys))
+        self.mark(t, key)
+        return key
+
     def forget(self, t: torch.Tensor) -> None:
         self.derived.pop(id(t), None)
 
@@ -158,6 +169,7 @@ def _flat(args, kwargs):
             yield a
 
 
+_object_keys = itertools.count()
 _local = threading.local()
 
 
@@ -211,11 +223,15 @@ def resolve_plan(
         return None if policy.unmasked_is_sdpa else full_plan(batch, seqlen_q, seqlen_k, device)
     as_bool = policy.float_mask != "bias"
     key = scope.key_of(mask) if scope is not None else None
+    if scope is not None and key is None:
+        key = scope.key_object(mask)
     pkey = None if key is None else (key, batch, heads, seqlen_q, seqlen_k, convention, as_bool, str(mask.device))
     found = scope.plans.get(pkey) if pkey is not None else None
     if found is None:
+        # Masks a forward derives live for that forward: caching them across calls buys nothing.
+        cache = key is None or key[0] in ("root", "object")
         found = build_plan(mask, batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
-                           convention=convention, float01_as_bool=as_bool)
+                           convention=convention, float01_as_bool=as_bool, cache=cache)
         if pkey is not None:
             scope.plans[pkey] = found
     if found.read_as_bool:
