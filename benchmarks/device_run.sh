@@ -20,6 +20,9 @@ for s in $STEPS; do case $s in
   attention) run 200 python3 benchmarks/attention.py --json "$OUT/attention.json" --png "$OUT/attention.png" 2>&1 | tee "$OUT/attention.txt" ;;
   step) run 120 python3 benchmarks/chroma_step.py --json "$OUT/chroma_step_fa4.json" 2>&1 | tee "$OUT/chroma_step_fa4.txt" ;;
   compiled) run 150 python3 benchmarks/chroma_step.py --compile --json "$OUT/chroma_step_fa4_compiled.json" 2>&1 | tee "$OUT/chroma_step_fa4_compiled.txt" ;;
+  train) for px in 1024 512; do
+      run 240 python3 benchmarks/train_step.py --model chroma --px $px --backends auto,torch --rounds 3 --reps 2 --max-seconds 120 \
+        --json "$OUT/train_step_chroma_$px.json" --png "$OUT/train_step_chroma_$px.png" 2>&1 | tail -14 | tee "$OUT/train_step_chroma_$px.txt"; done ;;
   example) run 150 python3 examples/train_chroma.py 2>&1 | tail -8 | tee "$OUT/train_chroma.txt" ;;
   compare) # before/after: $OLD holds the other checkout's varlen_attn (+ kernels_ref); rounds interleaved
       for round in 1 2 3; do

@@ -1,0 +1,505 @@
+"""The headline benchmark: one LoRA training step as trainers run it, stock diffusers vs
+``varlen_attn.enable_varlen(model, backend=...)`` vs the same model with no mask (run on a GPU).
+
+    python benchmarks/train_step.py --model chroma --px 1024 --json out.json --png out.png
+    python benchmarks/train_step.py --model qwen --checkpointing off --compile blocks
+    python benchmarks/train_step.py --device cpu          # smoke run: toy widths, 2 blocks of each kind
+
+Models, random init, bf16 (float32 on the CPU): diffusers' ChromaTransformer2DModel at full depth
+(19 double + 38 single blocks, 24 heads x 128, joint_attention_dim 4096, in_channels 64; 8.9 B
+parameters) or QwenImageTransformer2DModel (60 layers, 24 heads x 128, joint_attention_dim 3584,
+in_channels 64; 20.5 B); ``--double``, ``--single``, ``--layers`` reduce the depth.
+
+Batch 3, text padded to 512 tokens with prompt lengths 77/300/2 (the third close to caption
+dropout), (px/16)^2 image tokens: 1024 at 512 px, 4096 at 1024 px. The masks go in as each model
+takes them: Chroma ``attention_mask`` [B, text + image], Qwen-Image ``encoder_hidden_states_mask``
+[B, text] with ``img_shapes`` (diffusers 0.42.1's Qwen forward has no ``txt_seq_lens`` any more: it
+reads the text lengths from the mask). Every step gets a NEW mask tensor (same lengths), as from a
+data loader, so nothing can be cached across steps by object identity.
+
+The step: LoRA r=16 (peft) on every attention projection, base frozen, forward + MSE loss +
+backward + AdamW step + zero_grad. ``--checkpointing on|off``: diffusers' gradient checkpointing.
+``--compile blocks``: every transformer block ``block.compile(fullgraph=True)`` (regional
+compilation, as OneTrainer does; ``--compile-backend``, default inductor, aot_eager on the CPU).
+
+Variants: ``stock`` (diffusers' masked SDPA), ``nomask`` (the same model called with no mask: the
+speed target) and ``varlen:<backend>`` for each of ``--backends`` (default: auto and every
+installed varlen_attn backend but the reference). Each variant is its own copy of the model
+module tree sharing the frozen base weights (no extra weight memory), with its own LoRA adapter
+(all from the same init), its own optimizer and, with ``--compile blocks``, its own compiled
+blocks. Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
+turn (drift hits all alike), until ``--max-seconds`` is spent (at least one round). Reported per
+variant: the median ms per step (CUDA events around each synchronised step; wall time on the
+CPU), stock / variant, peak memory (reset per variant turn), varlen_attn's plan builds and host
+syncs per timed step, the backends that ran and any fallback, and the first step's output
+against stock's (same weights, same batch).
+
+cuDNN SDPA is disabled on CUDA for every variant: with torch 2.11 it failed inside these models
+(docs/versions.md). Note: diffusers' Chroma drops ``attention_mask`` from its checkpointed single
+blocks, so its stock checkpointed step runs those blocks unmasked; enable_varlen passes the mask
+back (``restore_checkpoint_mask``), so the varlen step computes what the unchecked stock step does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import statistics
+import time
+import warnings
+
+import _common as C
+import torch
+import torch.nn.functional as F
+
+import varlen_attn as va
+
+# Per model and device class: widths, and the default depth. The CPU rows are toys: the smoke run
+# checks that the script runs end to end, in seconds.
+MODELS = {
+    "chroma": {
+        "cuda": {"heads": 24, "head_dim": 128, "rope": (16, 56, 56), "joint_dim": 4096, "in_channels": 64,
+                 "appr_channels": 64, "appr_hidden": 5120, "appr_layers": 5, "double": 19, "single": 38},
+        "cpu": {"heads": 2, "head_dim": 32, "rope": (8, 12, 12), "joint_dim": 32, "in_channels": 16,
+                "appr_channels": 8, "appr_hidden": 32, "appr_layers": 1, "double": 2, "single": 2},
+    },
+    "qwen": {
+        "cuda": {"heads": 24, "head_dim": 128, "rope": (16, 56, 56), "joint_dim": 3584, "in_channels": 64,
+                 "out_channels": 16, "layers": 60},
+        "cpu": {"heads": 2, "head_dim": 32, "rope": (8, 12, 12), "joint_dim": 32, "in_channels": 16,
+                "out_channels": 4, "layers": 2},
+    },
+}
+PROMPT_LENGTHS = {"cuda": (77, 300, 2), "cpu": (5, 12, 2)}
+TEXT_TOKENS = {"cuda": 512, "cpu": 16}
+# Every attention projection of both models' attention modules (Chroma's single blocks have
+# to_q/k/v only; their output goes through the block's proj_out, which is not attention).
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", choices=("chroma", "qwen"), default="chroma")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cuda (default with a GPU), or cpu: a smoke run with toy widths; its timings mean nothing")
+    ap.add_argument("--px", type=int, choices=(512, 1024), default=1024,
+                    help="image size: (px/16)^2 image tokens (CPU: (px/128)^2)")
+    ap.add_argument("--double", type=int, default=None, help="Chroma double blocks (default: 19; CPU 2)")
+    ap.add_argument("--single", type=int, default=None, help="Chroma single blocks (default: 38; CPU 2)")
+    ap.add_argument("--layers", type=int, default=None, help="Qwen-Image layers (default: 60; CPU 2)")
+    ap.add_argument("--checkpointing", choices=("on", "off"), default="on")
+    ap.add_argument("--compile", choices=("none", "blocks"), default="none")
+    ap.add_argument("--compile-backend", default=None,
+                    help="torch.compile backend for --compile blocks (default: inductor; on the CPU aot_eager, "
+                         "which traces as inductor does, fullgraph and autograd, without its minutes of codegen)")
+    ap.add_argument("--backends", default=None,
+                    help="comma-separated varlen_attn backends (default: auto and every installed one but "
+                         f"the reference; now: {','.join(['auto', *C.varlen_backends(torch.device('cpu'))])} "
+                         "on the CPU)")
+    ap.add_argument("--mask-dtype", choices=("bool", "float", "long"), default="bool",
+                    help="dtype of the padding mask passed to the model (default bool). Chroma's pipeline "
+                         "passes float 0/1, which stock SDPA reads as an additive bias (no masking); "
+                         "Qwen-Image's passes long, which its forward turns into bool")
+    ap.add_argument("--lora-rank", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 2; compiled 3)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=3, help="steps per variant per round")
+    ap.add_argument("--max-seconds", type=float, default=240.0,
+                    help="start no new round after this many seconds since the start (at least one runs)")
+    ap.add_argument("--json", default=None, help="write config, environment and every measurement here")
+    ap.add_argument("--png", default=None, help="bar chart of ms per step per variant (needs matplotlib)")
+    return ap.parse_args()
+
+
+# ------------------------------------------------------------------------------------- the model
+
+def build_model(args, dev: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, dict]:
+    """The random-init transformer on ``dev`` in ``dtype``, with its config."""
+    cfg = dict(MODELS[args.model][dev.type])
+    modeling = logging.getLogger("diffusers.models.modeling_utils")
+    level = modeling.level
+    modeling.setLevel(logging.ERROR)  # diffusers warns on any dtype cast of a model built in code
+    previous = torch.get_default_dtype()
+    # Built on the device in the target dtype: a full-depth model initialised in float32 on the
+    # host would take minutes and 36 / 82 GB.
+    torch.set_default_dtype(dtype)
+    torch.manual_seed(0)
+    try:
+        with torch.device(dev):
+            if args.model == "chroma":
+                from diffusers import ChromaTransformer2DModel
+
+                cfg["double"] = args.double if args.double is not None else cfg["double"]
+                cfg["single"] = args.single if args.single is not None else cfg["single"]
+                model = ChromaTransformer2DModel(
+                    patch_size=1, in_channels=cfg["in_channels"], num_layers=cfg["double"],
+                    num_single_layers=cfg["single"], attention_head_dim=cfg["head_dim"],
+                    num_attention_heads=cfg["heads"], joint_attention_dim=cfg["joint_dim"],
+                    axes_dims_rope=cfg["rope"], approximator_num_channels=cfg["appr_channels"],
+                    approximator_hidden_dim=cfg["appr_hidden"], approximator_layers=cfg["appr_layers"])
+            else:
+                from diffusers import QwenImageTransformer2DModel
+
+                cfg["layers"] = args.layers if args.layers is not None else cfg["layers"]
+                model = QwenImageTransformer2DModel(
+                    patch_size=2, in_channels=cfg["in_channels"], out_channels=cfg["out_channels"],
+                    num_layers=cfg["layers"], attention_head_dim=cfg["head_dim"],
+                    num_attention_heads=cfg["heads"], joint_attention_dim=cfg["joint_dim"],
+                    axes_dims_rope=cfg["rope"])
+        model = model.to(dev, dtype)
+    finally:
+        torch.set_default_dtype(previous)
+        modeling.setLevel(level)
+    return model, cfg
+
+
+def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]
+
+
+def add_lora(model: torch.nn.Module, rank: int) -> int:
+    """LoRA (peft, default init) on every attention projection; everything else frozen. Returns
+    the number of adapted linear layers."""
+    try:
+        from peft import LoraConfig, inject_adapter_in_model
+    except ImportError as e:
+        raise SystemExit(f"this benchmark needs peft (pip install 'peft==0.21.2'): {e}") from e
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=LORA_TARGETS), model)
+    for name, p in model.named_parameters():
+        p.requires_grad_("lora_" in name)
+    return sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
+
+
+def sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of the module tree that shares every frozen parameter and every buffer with
+    ``model`` (no extra weight memory) and owns copies of the trainable ones (the LoRA adapter)."""
+    memo = {id(p): p for p in model.parameters() if not p.requires_grad}
+    memo.update({id(b): b for b in model.buffers()})
+    return copy.deepcopy(model, memo)
+
+
+# --------------------------------------------------------------------------------------- the batch
+
+class Batch:
+    """The fixed inputs of every step, and a NEW mask tensor per call of :meth:`mask`."""
+
+    def __init__(self, args, cfg, dev, dtype):
+        gpu = dev.type == "cuda"
+        grid = args.px // (16 if gpu else 128)
+        self.shape = C.Shape(3, TEXT_TOKENS[dev.type], grid * grid, PROMPT_LENGTHS[dev.type],
+                             heads=cfg["heads"], head_dim=cfg["head_dim"])
+        self.model_name = args.model
+        self.mask_dtype = {"bool": torch.bool, "float": dtype, "long": torch.long}[args.mask_dtype]
+        b, t, n = self.shape.batch, self.shape.text, self.shape.image
+        g = torch.Generator(device=dev).manual_seed(1)
+
+        def rand(*size):
+            return torch.randn(*size, device=dev, dtype=dtype, generator=g)
+
+        channels = cfg["in_channels"]
+        self.target = rand(b, n, channels)
+        self.inputs = {"hidden_states": rand(b, n, channels), "encoder_hidden_states": rand(b, t, cfg["joint_dim"]),
+                       "timestep": torch.rand(b, device=dev, generator=g).to(dtype), "return_dict": False}
+        if args.model == "chroma":
+            img_ids = torch.zeros(grid, grid, 3, device=dev)  # the pipeline's latent image ids
+            img_ids[..., 1] = torch.arange(grid, device=dev)[:, None]
+            img_ids[..., 2] = torch.arange(grid, device=dev)[None, :]
+            self.inputs.update(img_ids=img_ids.reshape(n, 3).to(dtype), txt_ids=torch.zeros(t, 3, device=dev, dtype=dtype))
+            self._keep = C.joint_keep(self.shape, dev)  # [B, text + image]
+        else:
+            self.inputs.update(img_shapes=[[(1, grid, grid)]] * b)  # as QwenImagePipeline passes them
+            self._keep = C.text_keep(self.shape, dev)  # [B, text]
+        self._keep = self._keep.to(self.mask_dtype)
+
+    def mask(self) -> torch.Tensor:
+        """A new tensor (new storage, new identity), same prompt lengths."""
+        return self._keep.clone()
+
+    def kwargs(self, mask: torch.Tensor | None) -> dict:
+        name = "attention_mask" if self.model_name == "chroma" else "encoder_hidden_states_mask"
+        return {**self.inputs, name: mask}
+
+
+# ---------------------------------------------------------------------------------------- variants
+
+class Variant:
+    def __init__(self, name: str, model: torch.nn.Module, masked: bool, lr: float):
+        self.name, self.model, self.masked = name, model, masked
+        self.lora = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(self.lora, lr=lr)
+        self.times: list[float] = []
+        self.peak_bytes = 0
+        self.stats = {"backends": {}, "fallbacks": {}, "plan_builds": 0, "host_syncs": 0}
+        self.timed_steps = 0
+        self.new_graphs = 0
+        self.first: dict = {}
+        self.error: str | None = None
+
+    def step(self, batch: Batch, probe: bool = False):
+        """One training step with a new mask; with ``probe``, what the first step produced."""
+        mask = batch.mask() if self.masked else None
+        out = self.model(**batch.kwargs(mask))[0]
+        loss = F.mse_loss(out.float(), batch.target.float())
+        loss.backward()
+        if probe:
+            self.first = {"output": out.detach().float().clone(), "loss": loss.item(),
+                          "lora_with_grad": sum(p.grad is not None for p in self.lora), "lora_tensors": len(self.lora)}
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def add_stats(self, st: dict) -> None:
+        for key in ("backends", "fallbacks"):
+            for k, n in st[key].items():
+                self.stats[key][k] = self.stats[key].get(k, 0) + n
+        self.stats["plan_builds"] += st["plan_builds"]
+        self.stats["host_syncs"] += st["host_syncs"]
+
+
+def raise_recompile_limits() -> None:
+    """Room for a graph per variant per block class (dynamo's default limit is 8 per code object)."""
+    cfg = torch._dynamo.config
+    for names, least in ((("recompile_limit", "cache_size_limit"), 64),
+                         (("accumulated_recompile_limit", "accumulated_cache_size_limit"), 1024)):
+        name = next((n for n in names if hasattr(cfg, n)), None)
+        if name is not None:
+            setattr(cfg, name, max(getattr(cfg, name), least))
+
+
+def graph_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: bool) -> None:
+    """``reps`` timed steps of ``v``: stats, peak memory and new graphs counted for this turn."""
+    va.reset_stats()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    graphs = graph_count() if compiled else 0
+    for _ in range(reps):
+        C.sync(dev)
+        with C.Stopwatch(dev) as sw:
+            v.step(batch)
+        v.times.append(sw.ms)
+    v.timed_steps += reps
+    if compiled:
+        v.new_graphs += graph_count() - graphs
+    if dev.type == "cuda":
+        v.peak_bytes = max(v.peak_bytes, torch.cuda.max_memory_allocated())
+    v.add_stats(va.stats())
+
+
+def is_oom(e: BaseException) -> bool:
+    return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+# ------------------------------------------------------------------------------------------ report
+
+def summary(v: Variant, stock_ms: float | None) -> dict:
+    ms = statistics.median(v.times) if v.times else float("nan")
+    steps = max(v.timed_steps, 1)
+    return {
+        "median_ms": ms, "min_ms": min(v.times, default=float("nan")),
+        "stock_over_variant": (stock_ms / ms) if stock_ms and v.times else None,
+        "peak_mib": v.peak_bytes / 2**20 if v.peak_bytes else None,
+        "timed_steps": v.timed_steps, "times_ms": v.times,
+        "plan_builds_per_step": v.stats["plan_builds"] / steps, "host_syncs_per_step": v.stats["host_syncs"] / steps,
+        "stats": v.stats, "new_graphs_during_timed_steps": v.new_graphs,
+        "first_step": {k: x for k, x in v.first.items() if k != "output"}, "error": v.error,
+    }
+
+
+def line(name: str, r: dict, varlen: bool) -> str:
+    if r["error"]:
+        return f"  {name:<22} {r['error']}"
+    peak = f"{r['peak_mib'] / 1024:7.2f} GiB" if r["peak_mib"] else "      - GiB"
+    ratio = f"{r['stock_over_variant']:5.2f}x" if r["stock_over_variant"] else "    -"
+    extra = ""
+    if varlen:
+        ran = ",".join(f"{k}:{n}" for k, n in r["stats"]["backends"].items()) or "none"
+        extra = (f"  syncs/step {r['host_syncs_per_step']:5.1f}  plans/step {r['plan_builds_per_step']:5.1f}"
+                 f"  ran {ran}")
+        if r["stats"]["fallbacks"]:
+            extra += f"  FALLBACKS {sum(r['stats']['fallbacks'].values())}"
+    if "max_abs_diff_vs_stock" in r:
+        extra += f"  step-0 max|diff| vs stock {r['max_abs_diff_vs_stock']:.2e}"
+    return f"  {name:<22} {r['median_ms']:9.1f} ms/step  {ratio}  peak {peak}{extra}"
+
+
+def write_png(path: str, results: dict, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--png {path}: skipped, matplotlib is not installed")
+        return
+    names = [n for n, r in results.items() if not r["error"]]
+    ms = [results[n]["median_ms"] for n in names]
+    colors = ["tab:gray" if n == "stock" else "tab:green" if n == "nomask" else "tab:blue" for n in names]
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(names) + 1.5))
+    bars = ax.barh(names, ms, color=colors)
+    for bar, n in zip(bars, names):
+        ratio = results[n]["stock_over_variant"]
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2,
+                f" {bar.get_width():.1f} ms" + (f" ({ratio:.2f}x)" if ratio else ""), va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per training step (median; lower is better)")
+    ax.set_title(title, fontsize=9)
+    ax.set_xlim(0, max(ms) * 1.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+# -------------------------------------------------------------------------------------------- main
+
+def main():
+    t_start = time.perf_counter()
+    args = parse_args()
+    dev = C.device_of(args)
+    gpu = dev.type == "cuda"
+    dtype = torch.bfloat16 if gpu else torch.float32
+    if gpu:  # cuDNN SDPA failed inside these models on torch 2.11 (docs/versions.md); off for every variant
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    warnings.filterwarnings("ignore", message=".*FluxPosEmbed.* is deprecated", category=FutureWarning)
+    compiled = args.compile == "blocks"
+    warmup = args.warmup if args.warmup is not None else (3 if compiled else 2)
+    compile_backend = args.compile_backend or ("inductor" if gpu else "aot_eager")
+    backends = args.backends.split(",") if args.backends else ["auto", *C.varlen_backends(dev)]
+    if compiled:  # one graph per variant (masked, unmasked, each backend) per block class
+        raise_recompile_limits()
+
+    base, cfg = build_model(args, dev, dtype)
+    nparams = sum(p.numel() for p in base.parameters())
+    adapted = add_lora(base, args.lora_rank)
+    nlora = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    if args.checkpointing == "on":
+        base.enable_gradient_checkpointing()
+    batch = Batch(args, cfg, dev, dtype)
+    depth = (f"{cfg['double']} double + {cfg['single']} single blocks" if args.model == "chroma"
+             else f"{cfg['layers']} layers")
+    env = C.environment(dev)
+    env.update(peft=C._version("peft"), flash_attn_3=C._version("flash_attn_3") or C._version("flash-attn-3"))
+    s = batch.shape
+    size = f"{nparams / 1e9:.2f} B" if nparams >= 1e8 else f"{nparams / 1e6:.2f} M"
+    title = (f"{args.model} {depth}, {size} params + LoRA r={args.lora_rank} ({nlora / 1e6:.2f} M), "
+             f"B={s.batch}, text {s.text} (lengths {list(s.lengths)}) + {s.image} image tokens, {args.px} px, "
+             f"{str(dtype).replace('torch.', '')}, checkpointing {args.checkpointing}, compile {args.compile}"
+             + (f" ({compile_backend})" if compiled else ""))
+    print(f"{env['gpu']}, torch {env['torch']}, diffusers {env['diffusers']}, peft {env['peft']}, "
+          f"flash-attn-4 {env['flash_attn_4']}, flash-attn {env['flash_attn']}")
+    print(title)
+    print(f"  LoRA on {adapted} attention projections; {args.mask_dtype} mask, a new tensor every step; "
+          f"varlen backends {backends}")
+
+    # Variants: own module tree and adapter each (same LoRA init), frozen base weights shared.
+    variants = []
+    for name in ["stock", "nomask", *(f"varlen:{b}" for b in backends)]:
+        model = sharing_copy(base)
+        if name.startswith("varlen:"):
+            va.enable_varlen(model, backend=name.split(":", 1)[1])
+        if compiled:
+            for block in blocks_of(model):
+                block.compile(fullgraph=True, backend=compile_backend)
+        variants.append(Variant(name, model, masked=name != "nomask", lr=args.lr))
+    del base
+    if gpu:
+        torch.cuda.synchronize()
+    weights_mib = torch.cuda.memory_allocated() / 2**20 if gpu else None
+
+    # Warm-up: the first step of each variant is probed (output, loss, which LoRA tensors got a gradient).
+    for v in variants:
+        try:
+            t0 = time.perf_counter()
+            va.reset_stats()
+            for i in range(warmup):
+                v.step(batch, probe=(i == 0))
+            C.sync(dev)
+            v.warmup_stats = va.stats()
+            v.warmup_s = time.perf_counter() - t0
+        except Exception as e:  # a variant that cannot run (OOM at full depth, a backend refusing) is reported
+            if not (is_oom(e) or isinstance(e, va.VarlenAttnError)):
+                raise
+            v.error = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+            v.opt.zero_grad(set_to_none=True)
+            if gpu:
+                torch.cuda.empty_cache()
+            print(f"  {v.name}: warm-up failed, left out: {v.error}")
+    live = [v for v in variants if v.error is None]
+
+    # Interleaved rounds, time-boxed.
+    rounds_run = 0
+    for _ in range(args.rounds):
+        if rounds_run and time.perf_counter() - t_start > args.max_seconds:
+            break
+        for v in live:
+            if v.error is None:
+                try:
+                    run_turn(v, batch, dev, args.reps, compiled)
+                except Exception as e:
+                    if not is_oom(e):
+                        raise
+                    v.error = f"{type(e).__name__} in round {rounds_run + 1}"
+                    v.opt.zero_grad(set_to_none=True)
+                    if gpu:
+                        torch.cuda.empty_cache()
+        rounds_run += 1
+    elapsed = time.perf_counter() - t_start
+
+    stock = next(v for v in variants if v.name == "stock")
+    stock_ms = statistics.median(stock.times) if stock.times else None
+    results = {}
+    for v in variants:
+        r = summary(v, stock_ms)
+        r["warmup_s"] = getattr(v, "warmup_s", None)
+        r["warmup_stats"] = getattr(v, "warmup_stats", None)
+        if v.first and stock.first and v is not stock:
+            r["max_abs_diff_vs_stock"] = (v.first["output"] - stock.first["output"]).abs().max().item()
+        results[v.name] = r
+    if stock.first:
+        results["stock"]["first_step"]["max_abs_output"] = stock.first["output"].abs().max().item()
+
+    print(f"median ms per step over {rounds_run} round(s) x {args.reps} step(s) per variant "
+          f"(asked {args.rounds}; {elapsed:.0f} s in all, --max-seconds {args.max_seconds:g}); ratio = stock / variant:")
+    for v in variants:
+        print(line(v.name, results[v.name], v.name.startswith("varlen:")))
+    if compiled:
+        from torch._dynamo.utils import counters
+
+        breaks = dict(counters["graph_break"])
+        print(f"  compiled blocks: new graphs during timed steps "
+              f"{ {n: r['new_graphs_during_timed_steps'] for n, r in results.items()} }; graph breaks {breaks or 'none'}")
+    if args.model == "chroma" and args.checkpointing == "on":
+        print("  note: stock Chroma with checkpointing runs its single blocks unmasked (diffusers drops the mask "
+              "there); varlen restores it, so its step-0 output differs from stock's in those blocks")
+    if not gpu:
+        print("CPU smoke run: the numbers above are toy-size wall times and mean nothing.")
+
+    if args.json:
+        config = {**vars(args), "warmup": warmup, "compile_backend": compile_backend if compiled else None,
+                  "backends": backends, "dtype": str(dtype), "model_config": cfg,
+                  "batch": s.batch, "text_tokens": s.text, "image_tokens": s.image, "prompt_lengths": list(s.lengths),
+                  "params": nparams, "lora_params": nlora, "lora_layers": adapted, "lora_targets": LORA_TARGETS}
+        with open(args.json, "w") as fh:
+            json.dump({"config": config, "env": env, "gpu": env["gpu"], "title": title,
+                       "rounds_run": rounds_run, "elapsed_s": elapsed, "weights_mib": weights_mib,
+                       "results": results}, fh, indent=1, default=str)
+        print(f"wrote {args.json}")
+    if args.png:
+        write_png(args.png, results, title)
+    if compiled:
+        for v in variants:
+            v.model = None
+        torch._dynamo.reset()
+
+
+if __name__ == "__main__":
+    main()
