@@ -34,6 +34,16 @@ def _installed(name):
 @given(case=cases(dtype=torch.float32, kinds=KINDS, max_s=80, head_dims=(16, 32, 64, 96, 128, 256)),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]))
 def test_backend_equals_sdpa_on_cuda(backend, case, dtype):
+    # cuDNN SDPA returns NaN grad_q with any attn_mask when S % 128 == 64 on torch 2.11
+    # (pytorch issue #196678, seen here on an H100 as a NaN baseline): the stock baseline and the
+    # masked-SDPA paths run on SDPA's other kernels.
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        _backend_equals_sdpa_on_cuda(backend, case, dtype)
+
+
+def _backend_equals_sdpa_on_cuda(backend, case, dtype):
     if not _installed(backend):
         pytest.skip(f"backend {backend!r} is not installed here")
     note(repr(case))
