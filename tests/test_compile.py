@@ -123,3 +123,25 @@ def test_enable_varlen_model_compiles_without_breaks_or_recompiles(how):
     # One frame per compiled code object: two block classes, or the whole model.
     assert cnt.frame_count == (2 if how == "blocks" else 1), "a new mask recompiled"
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("mode", ["whole", "blocks", "functional"])
+def test_compile_below_the_supported_torch_refuses_clearly(mode, monkeypatch, fresh_dynamo):
+    """On a torch older than op.COMPILE_MIN_TORCH every compiled path raises, naming the
+    requirement; none falls back to running something else (forced here by the flag)."""
+    from _models import chroma_inputs, tiny_chroma
+    from varlen_attn import op
+
+    monkeypatch.setattr(op, "COMPILE_SUPPORTED", False)
+    model = va.enable_varlen(tiny_chroma())
+    if mode == "whole":
+        run = lambda: torch.compile(model, backend="aot_eager")(**chroma_inputs())  # noqa: E731
+    elif mode == "blocks":
+        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+            block.compile(backend="aot_eager", fullgraph=True)
+        run = lambda: model(**chroma_inputs())  # noqa: E731
+    else:
+        f = torch.compile(lambda q, m: va.scaled_dot_product_attention(q, q, q, attn_mask=m), backend="aot_eager")
+        run = lambda: f(torch.randn(2, 1, 4, 8), torch.ones(2, 1, 1, 4, dtype=torch.bool))  # noqa: E731
+    with pytest.raises(Exception, match=f"(needs torch >=|refuses torch.compile below torch) {op.COMPILE_MIN_TORCH}"):
+        run()

@@ -136,6 +136,7 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
         # the eager/traced split (``requires_grad`` is known while tracing), so both agree.
         return execution.run(q, k, v, None, mask4, execution.unpackable(policy, GRAD_MASK_REASON), opts)
     if torch.compiler.is_compiling():
+        op.refuse_unsupported_compile()
         if mask is None and plan is None and policy.unmasked_is_sdpa:
             return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA, inside the graph
         return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)

@@ -25,6 +25,7 @@ import torch
 
 from ._errors import InputTypeError, describe
 from .hook import VarlenHook, active
+from .op import refuse_unsupported_compile
 from .scope import Policy, Scope, current_scope
 
 
@@ -73,7 +74,8 @@ class _Forward:
         return self.inner
 
     def _target(self, module):
-        return self.inner if self.inner is not None else type(module).forward.__get__(module, type(module))
+        # A partial, not ``function.__get__``: dynamo before torch 2.10 cannot trace the latter.
+        return self.inner if self.inner is not None else functools.partial(type(module).forward, module)
 
     def __call__(self, *args, **kwargs):
         if args and isinstance(args[0], torch.nn.Module):
@@ -94,6 +96,7 @@ class _Forward:
         if not self.active or state is None:
             return target(*args, **kwargs)
         if torch.compiler.is_compiling():
+            refuse_unsupported_compile()
             return _traced_forward(module, state, target, args, kwargs)
         return _run_forward(module, state, target, args, kwargs)
 

@@ -32,10 +32,39 @@ import torch
 from torch import Tensor
 
 from . import _stats, execution
-from ._errors import InputValueError
+from ._errors import BackendUnavailableError, InputValueError
 from .execution import Options
 from .plan import VarlenPlan, plan_of_token
 from .scope import Policy, current_scope, resolve_plan
+
+# torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
+# and 2.15; on 2.6 and 2.8 whole-model compile recompiled for every new mask, on 2.5 regional
+# compile failed. Below it, compiling refuses clearly instead of running something else.
+COMPILE_MIN_TORCH = "2.10"
+COMPILE_SUPPORTED = torch.torch_version.TorchVersion(torch.__version__) >= COMPILE_MIN_TORCH
+
+
+def refuse_unsupported_compile() -> None:
+    """Raise when traced by a torch older than :data:`COMPILE_MIN_TORCH` (called while tracing)."""
+    if not COMPILE_SUPPORTED:
+        _refuse_compile()
+
+
+def _refuse_compile() -> None:
+    raise BackendUnavailableError(
+        f"torch.compile of varlen_attn needs torch >= {COMPILE_MIN_TORCH}, got torch "
+        f"{torch.__version__}: run it eagerly (no torch.compile around it) or upgrade torch"
+    )
+
+
+# Run outside the trace, so the error reaches the caller as it is: a raise inside the trace would
+# make dynamo fall back to eager there and run on. With fullgraph=True dynamo reports the reason.
+_REASON = f"varlen_attn refuses torch.compile below torch {COMPILE_MIN_TORCH}"
+try:
+    _refuse_compile = torch.compiler.disable(_refuse_compile, reason=_REASON)
+except TypeError:  # torch < 2.8: no reason argument
+    _refuse_compile = torch.compiler.disable(_refuse_compile)
+
 
 # The one registry: op-output handle -> (plan, route, mask4, options) of a forward, while the
 # handle tensor (saved for backward) lives.
