@@ -206,6 +206,8 @@ def test_torch_builtin_adapter_both_signatures(monkeypatch, signature):
     fn, params, seen = _fake_varlen(signature)
     monkeypatch.setattr(torch_varlen, "_api", lambda: (fn, params))
     b = kernels.BACKENDS["torch"]
+    # installed() caches per process: set it here so it is undone after (torch < 2.10 has no API).
+    monkeypatch.setitem(b.__dict__, "_installed", True)
     monkeypatch.setattr(b, "SUPPORTED_DEVICES", frozenset({"cpu"}))
     monkeypatch.setattr(b, "SUPPORTED_DTYPES", ALL)
     g = torch.Generator().manual_seed(0)

@@ -262,6 +262,22 @@ def test_tensor_scale_as_sdpa_takes_it():
         F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=torch.tensor([0.3]))
     with pytest.raises(va.InputTypeError, match="scale must be a float, a 0-d tensor or None"):
         va.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=torch.tensor([0.3]))
+    learned = torch.tensor(0.3, requires_grad=True)
+    with pytest.raises(TypeError):  # a scale that requires grad: stock refuses it, so do we
+        F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=learned)
+    with pytest.raises(va.InputTypeError, match="scale must not require grad"):
+        va.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=learned)
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -0.5, 1e-30, 2])
+def test_scale_edge_values_as_sdpa(scale):
+    """Values SDPA accepts give SDPA's result, NaNs included (a NaN scale makes every row NaN)."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 5, 8, dtype=torch.float64, generator=g) for _ in range(3))
+    mask = torch.tensor([[1, 1, 0, 1, 0], [0, 0, 0, 0, 0]], dtype=torch.bool)[:, None, None, :]
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    got = va.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12, equal_nan=True)
 
 
 # -- torch.inference_mode -----------------------------------------------------------------------

@@ -13,8 +13,9 @@ which does the same at run time.
 
 from __future__ import annotations
 
-import torch
+import math
 
+import torch
 import torch.nn.functional as F
 
 from . import execution, op
@@ -87,6 +88,8 @@ def _check_options(dropout_p, scale):
     if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise InputValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
     if isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.is_complex():
+        if scale.requires_grad:  # SDPA refuses it too (its scale is a double, not differentiable)
+            raise InputTypeError(f"scale must not require grad (SDPA takes it as a number), got {describe(scale)}")
         return float(scale)
     if scale is not None and not isinstance(scale, (int, float)):
         raise InputTypeError(f"scale must be a float, a 0-d tensor or None, got {describe(scale)}")
@@ -127,9 +130,9 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
              policy: Policy) -> torch.Tensor:
     """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced."""
     mask4 = execution.mask4_of(mask, q, k, convention)  # a view; also validates the mask's shape
-    if q.is_meta or q.numel() == 0 or k.numel() == 0:
-        # No data (meta tensors: shape propagation for init-on-meta tooling) or no tokens:
-        # nothing to pack; SDPA gives the shapes and the empty or zero results.
+    if q.is_meta or q.numel() == 0 or k.numel() == 0 or (opts.scale is not None and not math.isfinite(opts.scale)):
+        # No data (meta tensors: shape propagation for init-on-meta tooling), no tokens, or a
+        # non-finite scale: nothing to pack; SDPA gives the shapes, the empty or zero results, the NaNs.
         return execution.masked_sdpa(q, k, v, mask4, opts)
     if mask4 is not None and mask.requires_grad and torch.is_grad_enabled():
         # Packing reads the mask only for its pattern: it would get no gradient. Decided before
