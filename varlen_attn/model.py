@@ -96,6 +96,8 @@ class _Forward:
         if not self.active or state is None:
             return target(*args, **kwargs)
         if torch.compiler.is_compiling():
+            # Also here, not only in dispatch: where dynamo does not trace the hook (torch 2.5),
+            # attention would never reach dispatch and the model would silently run stock.
             refuse_unsupported_compile()
             return _traced_forward(module, state, target, args, kwargs)
         return _run_forward(module, state, target, args, kwargs)

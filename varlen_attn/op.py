@@ -50,7 +50,14 @@ def refuse_unsupported_compile() -> None:
         _refuse_compile()
 
 
-def _refuse_compile() -> None:
+def _compiler_disabled(fn, reason: str):
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # torch < 2.8: no reason argument
+        return torch.compiler.disable(fn)
+
+
+def _raise_compile_unsupported() -> None:
     raise BackendUnavailableError(
         f"torch.compile of varlen_attn needs torch >= {COMPILE_MIN_TORCH}, got torch "
         f"{torch.__version__}: run it eagerly (no torch.compile around it) or upgrade torch"
@@ -59,11 +66,8 @@ def _refuse_compile() -> None:
 
 # Run outside the trace, so the error reaches the caller as it is: a raise inside the trace would
 # make dynamo fall back to eager there and run on. With fullgraph=True dynamo reports the reason.
-_REASON = f"varlen_attn refuses torch.compile below torch {COMPILE_MIN_TORCH}"
-try:
-    _refuse_compile = torch.compiler.disable(_refuse_compile, reason=_REASON)
-except TypeError:  # torch < 2.8: no reason argument
-    _refuse_compile = torch.compiler.disable(_refuse_compile)
+_refuse_compile = _compiler_disabled(_raise_compile_unsupported,
+                                     f"varlen_attn refuses torch.compile below torch {COMPILE_MIN_TORCH}")
 
 
 # The one registry: op-output handle -> (plan, route, mask4, options) of a forward, while the
