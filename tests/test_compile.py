@@ -145,3 +145,62 @@ def test_compile_below_the_supported_torch_refuses_clearly(mode, monkeypatch, fr
         run = lambda: f(torch.randn(2, 1, 4, 8), torch.ones(2, 1, 1, 4, dtype=torch.bool))  # noqa: E731
     with pytest.raises(Exception, match=f"(needs torch >=|refuses torch.compile below torch) {op.COMPILE_MIN_TORCH}"):
         run()
+
+
+class _HostReads:
+    """Counts the calls that read tensor values on the host (``tolist``, ``item``,
+    ``torch.equal``), wherever they come from, except the custom op's reads of its own handles
+    (one-element int64 tensors made on the CPU, never on a device: no sync there). A dispatch
+    mode cannot count them here: dynamo refuses to run compiled code under one."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.on = False
+        for owner, name in ((torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch, "equal")):
+            monkeypatch.setattr(owner, name, self._counted(getattr(owner, name), name))
+
+    def _counted(self, fn, name):
+        def counted(*args, **kwargs):
+            handle = name == "item" and args[0].dtype == torch.int64 and args[0].shape == (1,)
+            if self.on and not handle:
+                self.calls.append(name)
+            return fn(*args, **kwargs)
+        return counted
+
+    def __enter__(self):
+        self.calls, self.on = [], True
+        return self
+
+    def __exit__(self, *exc):
+        self.on = False
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, monkeypatch):
+    """Every block compiled with inductor (fullgraph), gradient checkpointing on or off, a new
+    mask each step: each compiled block re-derives Chroma's outer-product mask inside its graph,
+    yet the step builds one plan and reads the host once (counted two ways: the library's own
+    counter, and every host read of tensor values during the step), and equals eager stock."""
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+
+    stock = tiny_chroma()
+    model = va.enable_varlen(tiny_chroma())
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    cnt = dynamo_testing.CompileCounterWithBackend("inductor")
+    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+        block.compile(fullgraph=True, backend=cnt)
+    reads = _HostReads(monkeypatch)
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2), (0, 0, 0)]):
+        inputs = chroma_inputs(lengths, seed=i)
+        va.reset_stats()
+        with reads:
+            got = step(model, inputs)
+        st = va.stats()
+        assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (lengths, st)
+        # The first step compiles: the compiler reads values of its own.
+        assert i == 0 or reads.calls == ["tolist"], (lengths, reads.calls)
+        assert sum(st["backends"].values()) >= CHROMA_ATTN_LAYERS and not st["fallbacks"], st
+        assert_model_close(got, step(stock, inputs), what=f"{lengths}")
+    assert cnt.frame_count == 2, "a new mask recompiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])

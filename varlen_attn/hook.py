@@ -26,6 +26,7 @@ from . import scope as scopes
 from .functional import sdpa_with_policy
 
 
+@torch.compiler.assume_constant_result  # a constant per function while dynamo traces the hook
 def _in_place(func) -> bool:
     name = getattr(func, "__name__", "")
     return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or (
@@ -44,8 +45,14 @@ class VarlenHook(TorchFunctionMode):
         if torch.compiler.is_compiling():
             name = getattr(func, "__name__", "")
             if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
-                return getattr(args[0], name)(*args[1:], **kwargs)
-            return func(*args, **kwargs)
+                out = getattr(args[0], name)(*args[1:], **kwargs)
+            else:
+                out = func(*args, **kwargs)
+            if args and _in_place(func):
+                scopes.trace_forget(args[0])
+            else:
+                scopes.trace_derive(func, args, kwargs, out)
+            return out
         scope = self.scope
         target = args[0] if args and isinstance(args[0], torch.Tensor) and _in_place(func) else None
         if target is not None:

@@ -35,7 +35,7 @@ from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError
 from .execution import Options
 from .plan import VarlenPlan, plan_of_token
-from .scope import Policy, current_scope, resolve_plan
+from .scope import Policy, current_scope, resolve_plan, traced_signature
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
 # and 2.15; on 2.6 and 2.8 whole-model compile recompiled for every new mask, on 2.5 regional
@@ -98,8 +98,9 @@ def _held(handle: Tensor) -> tuple:
 
 @torch.library.custom_op("varlen_attn::attention", mutates_args=())
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token: Optional[Tensor],
-                 scale: Optional[float], causal: bool, gqa: bool, backend: str, strict: bool,
-                 convention: str, float_mask: str, model: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 roots: list[Tensor], derivation: str, scale: Optional[float], causal: bool, gqa: bool,
+                 backend: str, strict: bool, convention: str, float_mask: str,
+                 model: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Padded ``[B, S, H, D]`` q, k, v -> ``(out [B, Sq, Hq, Dv], lse [Hq, B*Sq] float32,
     handle)``; lse is filled (its first ``total_q`` columns) only for fused routes."""
     with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
@@ -112,7 +113,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
             if plan is None:
                 raise InputValueError("the plan passed to attention was freed before the compiled call ran")
         plan = resolve_plan(mask, batch=b, heads=h, seqlen_q=sq, seqlen_k=sk, device=q.device,
-                            convention=convention, policy=policy, plan=plan, scope=current_scope())
+                            convention=convention, policy=policy, plan=plan, scope=current_scope(),
+                            roots=roots, derivation=derivation)
         mask4 = execution.mask4_of(mask, q, k, convention)
         r = execution.route(q, k, v, plan, mask4, opts, policy)
         lse_buf = q.new_empty((h, b * sq), dtype=torch.float32)
@@ -126,7 +128,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
 
 
 @attention_op.register_fake
-def _(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model):
+def _(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention, float_mask,
+      model):
     b, sq, hq = q.shape[0], q.shape[1], q.shape[2]
     return (q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((hq, b * sq), dtype=torch.float32),
             torch.empty(1, dtype=torch.int64))
@@ -170,12 +173,13 @@ def _setup_context(ctx, inputs, output):
     q, k, v = inputs[:3]
     out, lse, handle = output
     ctx.save_for_backward(q, k, v, out, lse, handle)
+    ctx.roots = len(inputs[5])
 
 
 def _backward(ctx, dout, _dlse, _dhandle):
     q, k, v, out, lse, handle = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, handle)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, [None] * ctx.roots, *(None,) * 9
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -189,7 +193,8 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
             f"dropout_p must be 0 under torch.compile (a recomputed backward would draw a "
             f"different dropout mask), got {opts.dropout_p}"
         )
-    out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token,
+    roots, derivation = traced_signature(mask)
+    out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token, roots, derivation,
                              None if opts.scale is None else float(opts.scale), bool(opts.causal),
                              bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask,
                              policy.model)

@@ -111,6 +111,8 @@ class Scope:
 
     def mark(self, t: torch.Tensor, key) -> None:
         self.derived[id(t)] = (weakref.ref(t), key, _version(t))
+        # Seen by dynamo when a compiled block takes this tensor: a derivation may start here.
+        setattr(t, KEYED, True)
 
     def key_object(self, t: torch.Tensor) -> tuple:
         """Key a mask of unknown derivation by its identity for the rest of this forward: the
@@ -153,6 +155,93 @@ class Scope:
                     tuple(sorted((k, self._arg_key(v, like)) for k, v in kwargs.items())))
         except _Unkeyable:
             return None
+
+
+# -- derivations traced inside compiled code ---------------------------------------------------
+#
+# Under torch.compile the hook is traced by dynamo and cannot key tensors by their run-time
+# objects. It records instead, on each traced tensor, how it was made from tensors that an eager
+# scope keyed (marked KEYED when a compiled block receives them) and from constants. At the
+# attention call that record becomes the custom op's ``derivation`` (a string, constant in the
+# graph) and ``roots`` (the keyed tensors, graph inputs); at run time the scope keys the mask by
+# the roots' keys and the derivation, so every compiled layer that derives the same mask from
+# the same inputs shares one plan per forward. Dynamo reads the attributes while tracing only:
+# nothing here runs when the graph runs.
+
+KEYED = "_varlen_keyed"
+TRACED = "_varlen_traced"
+
+
+@torch.compiler.assume_constant_result
+def derivable_name(func) -> str:
+    """The name a derivation records for ``func``; "" for a function whose output its inputs do
+    not determine. Evaluated once per function while tracing (a constant to dynamo)."""
+    name = getattr(func, "__name__", "")
+    return "" if any(word in name for word in _NONDETERMINISTIC) else name
+
+
+def trace_derive(func, args, kwargs, out) -> None:
+    """While tracing: record on ``out`` how ``func`` made it, when every tensor input is keyed or
+    traced and ``func`` is deterministic (the eager rule of :meth:`Scope.derive`)."""
+    if not isinstance(out, torch.Tensor) or (out.requires_grad and out.dtype != torch.bool):
+        return
+    name = derivable_name(func)
+    if not name:
+        return
+    has_tensor = False
+    for a in _flat(args, kwargs):
+        if isinstance(a, torch.Tensor):
+            has_tensor = True
+            if not (hasattr(a, TRACED) or getattr(a, KEYED, False)):
+                return
+    if has_tensor or func in _FACTORIES:
+        setattr(out, TRACED, (name, func in _LIKE, tuple(args), tuple(sorted(kwargs.items()))))
+
+
+def trace_forget(t) -> None:
+    """While tracing: ``t`` was written in place; derive nothing from it any more."""
+    if isinstance(t, torch.Tensor):
+        setattr(t, TRACED, None)
+
+
+def traced_signature(mask) -> tuple[list, str]:
+    """While tracing: ``(roots, derivation)`` of ``mask``, or ``([], "")`` when unknown."""
+    roots: list = []
+    text = _trace_text(mask, roots, False) if isinstance(mask, torch.Tensor) else None
+    return (roots, text) if text else ([], "")
+
+
+def _trace_text(a, roots: list, like: bool):
+    if isinstance(a, torch.Tensor):
+        if like:
+            return "meta" + str(tuple(a.shape)) + str(a.dtype)
+        if hasattr(a, TRACED):
+            rec = getattr(a, TRACED)
+            if rec is None:
+                return None
+            name, is_like, args, kwargs = rec
+            inner = _trace_text(args, roots, is_like)
+            kw = _trace_text(kwargs, roots, is_like)
+            return None if inner is None or kw is None else name + inner + kw
+        if getattr(a, KEYED, False):
+            roots.append(a)
+            return "r" + str(len(roots) - 1)
+        return None
+    if isinstance(a, (tuple, list)):
+        parts = []
+        for x in a:
+            s = _trace_text(x, roots, like)
+            if s is None:
+                return None
+            parts.append(s)
+        return "(" + ",".join(parts) + ")"
+    if isinstance(a, slice):
+        return "slice(" + repr(a.start) + "," + repr(a.stop) + "," + repr(a.step) + ")"
+    if a is None or a is Ellipsis or isinstance(a, (bool, int, float, str)):
+        return repr(a)
+    if isinstance(a, (torch.dtype, torch.device)):
+        return str(a)
+    return None
 
 
 def _version(t: torch.Tensor):
@@ -208,12 +297,15 @@ def resolve_plan(
     policy: Policy,
     plan: VarlenPlan | None = None,
     scope: Scope | None = None,
+    roots: list | None = None,
+    derivation: str = "",
 ) -> VarlenPlan | None:
     """The plan an attention call runs with, or None for a call without a mask that runs plain
     SDPA (:attr:`Policy.unmasked_is_sdpa`).
 
     In order: the caller's ``plan``; for no mask, None or the all-valid plan; the plan ``scope``
-    already built for a mask with the same derivation key; else :func:`build_plan` (cached by
+    already built for a mask with the same derivation key (for a call in compiled code, the
+    traced ``derivation`` from ``roots``: :func:`traced_signature`); else :func:`build_plan` (cached by
     mask object). A float 0/1 mask is read as boolean when ``policy.float_mask`` is ``"bool"``
     (one warning per process) and refused under ``"error"``; ``"bias"`` keeps SDPA's reading.
     """
@@ -222,9 +314,14 @@ def resolve_plan(
     if mask is None:
         return None if policy.unmasked_is_sdpa else full_plan(batch, seqlen_q, seqlen_k, device)
     as_bool = policy.float_mask != "bias"
-    key = scope.key_of(mask) if scope is not None else None
-    if scope is not None and key is None:
-        key = scope.key_object(mask)
+    key = None
+    if scope is not None:
+        key = scope.key_of(mask)
+        if key is None and derivation:
+            keys = tuple(scope.key_of(r) or scope.key_object(r) for r in roots)
+            key = keys[0] if derivation == "r0" else ("traced", derivation, keys)
+        if key is None:
+            key = scope.key_object(mask)
     pkey = None if key is None else (key, batch, heads, seqlen_q, seqlen_k, convention, as_bool, str(mask.device))
     found = scope.plans.get(pkey) if pkey is not None else None
     if found is None:
