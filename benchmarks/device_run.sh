@@ -20,9 +20,12 @@ for s in $STEPS; do case $s in
   attention) run 200 python3 benchmarks/attention.py --json "$OUT/attention.json" --png "$OUT/attention.png" 2>&1 | tee "$OUT/attention.txt" ;;
   step) run 120 python3 benchmarks/chroma_step.py --json "$OUT/chroma_step_fa4.json" 2>&1 | tee "$OUT/chroma_step_fa4.txt" ;;
   compiled) run 150 python3 benchmarks/chroma_step.py --compile --json "$OUT/chroma_step_fa4_compiled.json" 2>&1 | tee "$OUT/chroma_step_fa4_compiled.txt" ;;
-  train) for px in 1024 512; do
-      run 240 python3 benchmarks/train_step.py --model chroma --px $px --backends auto,torch --rounds 3 --reps 2 --max-seconds 120 \
-        --json "$OUT/train_step_chroma_$px.json" --png "$OUT/train_step_chroma_$px.png" 2>&1 | tail -14 | tee "$OUT/train_step_chroma_$px.txt"; done ;;
+  train) # $TRAIN: "model:px:compile[:mode]" cells, e.g. "chroma:1024:none chroma:512:blocks:reduce-overhead"
+      for cell in ${TRAIN:-"chroma:1024:none chroma:512:none"}; do IFS=: read -r model px comp mode <<< "$cell"
+      name="train_step_${model}_${px}_${comp}${mode:+_$mode}"
+      run ${TRAIN_SECONDS:-280} python3 benchmarks/train_step.py --model $model --px $px --compile $comp ${mode:+--compile-mode $mode} \
+        --backends ${TRAIN_BACKENDS:-auto,torch} --rounds 3 --reps 2 --max-seconds ${TRAIN_MAX:-90} \
+        --json "$OUT/$name.json" --png "$OUT/$name.png" 2>&1 | tail -14 | tee "$OUT/$name.txt"; done ;;
   example) run 150 python3 examples/train_chroma.py 2>&1 | tail -8 | tee "$OUT/train_chroma.txt" ;;
   compare) # before/after: $OLD holds the other checkout's varlen_attn (+ kernels_ref); rounds interleaved
       for round in 1 2 3; do

@@ -91,6 +91,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--layers", type=int, default=None, help="Qwen-Image layers (default: 60; CPU 2)")
     ap.add_argument("--checkpointing", choices=("on", "off"), default="on")
     ap.add_argument("--compile", choices=("none", "blocks"), default="none")
+    ap.add_argument("--compile-mode", default=None, choices=(None, "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+                    help="torch.compile mode of the blocks (reduce-overhead: CUDA graphs around the attention op)")
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend for --compile blocks (default: inductor; on the CPU aot_eager, "
                          "which traces as inductor does, fullgraph and autograd, without its minutes of codegen)")
@@ -392,8 +394,8 @@ def main():
     size = f"{nparams / 1e9:.2f} B" if nparams >= 1e8 else f"{nparams / 1e6:.2f} M"
     title = (f"{args.model} {depth}, {size} params + LoRA r={args.lora_rank} ({nlora / 1e6:.2f} M), "
              f"B={s.batch}, text {s.text} (lengths {list(s.lengths)}) + {s.image} image tokens, {args.px} px, "
-             f"{str(dtype).replace('torch.', '')}, checkpointing {args.checkpointing}, compile {args.compile}"
-             + (f" ({compile_backend})" if compiled else ""))
+             f"{str(dtype).replace('torch.', '')},\ncheckpointing {args.checkpointing}, compile {args.compile}"
+             + (f" ({compile_backend}{', ' + args.compile_mode if args.compile_mode else ''})" if compiled else ""))
     print(f"{env['gpu']}, torch {env['torch']}, diffusers {env['diffusers']}, peft {env['peft']}, "
           f"flash-attn-4 {env['flash_attn_4']}, flash-attn {env['flash_attn']}")
     print(title)
@@ -408,7 +410,7 @@ def main():
             va.enable_varlen(model, backend=name.split(":", 1)[1])
         if compiled:
             for block in blocks_of(model):
-                block.compile(fullgraph=True, backend=compile_backend)
+                block.compile(fullgraph=True, backend=compile_backend, mode=args.compile_mode)
         variants.append(Variant(name, model, masked=name != "nomask", lr=args.lr))
     del base
     if gpu:

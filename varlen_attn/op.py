@@ -96,7 +96,13 @@ def _held(handle: Tensor) -> tuple:
         return _calls[int(handle.item())]
 
 
-@torch.library.custom_op("varlen_attn::attention", mutates_args=())
+# Both ops read the plan on the host at run time (and may build it): a CUDA graph replaying them
+# would replay the last batch's plan. Tagged, inductor's CUDA graphs (mode="reduce-overhead")
+# capture the rest of the graph around them (graph partitions) instead.
+_NOT_CAPTURABLE = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
+
+
+@torch.library.custom_op("varlen_attn::attention", mutates_args=(), tags=_NOT_CAPTURABLE)
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token: Optional[Tensor],
                  roots: list[Tensor], derivation: str, scale: Optional[float], causal: bool, gqa: bool,
                  backend: str, strict: bool, convention: str, float_mask: str,
@@ -135,7 +141,7 @@ def _(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, stri
             torch.empty(1, dtype=torch.int64))
 
 
-@torch.library.custom_op("varlen_attn::attention_backward", mutates_args=())
+@torch.library.custom_op("varlen_attn::attention_backward", mutates_args=(), tags=_NOT_CAPTURABLE)
 def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           handle: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     with torch._C.DisableTorchFunction():
