@@ -32,5 +32,6 @@ for s in $STEPS; do case $s in
         PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/$OLD run 60 python3 benchmarks/compare_checkouts.py --label before 2>&1 | grep " ms " | tee -a "$OUT/compare.txt"
         run 60 python3 benchmarks/compare_checkouts.py --label after 2>&1 | grep " ms " | tee -a "$OUT/compare.txt"
       done ;;
-  tests) run 330 python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_gpu_models.py -p no:cacheprovider 2>&1 | tail -15 | tee "$OUT/gpu_tests.log" ;;
+  tests) run 330 python3 -m pytest -q -m gpu ${TESTS:-tests/test_gpu.py tests/test_gpu_models.py} -p no:cacheprovider --tb=short 2>&1 \
+      | grep -v "^DEBUG" | tail -60 | tee "$OUT/gpu_tests.log" ;;
 esac; done
