@@ -1,0 +1,58 @@
+"""Where a training step's time goes: ``train_step.py``'s workload at reduced depth, each variant
+warmed up, then one step under ``torch.profiler``; prints the top ops by self CUDA time and by
+self CPU time, and the step's CPU enqueue time against its GPU end.
+
+    python benchmarks/profile_step.py --px 512 --compile blocks --double 2 --single 4
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import train_step as T
+
+import varlen_attn as va
+
+
+def main():
+    sys.argv += [] if "--rounds" in sys.argv else ["--rounds", "1"]
+    args = T.parse_args()
+    dev = torch.device("cuda")
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    T.raise_recompile_limits()
+    base, cfg = T.build_model(args, dev, torch.bfloat16)
+    T.add_lora(base, args.lora_rank)
+    if args.checkpointing == "on":
+        base.enable_gradient_checkpointing()
+    batch = T.Batch(args, cfg, dev, torch.bfloat16)
+    backends = args.backends.split(",") if args.backends else ["auto", "torch"]
+    for name in ["stock", *(f"varlen:{b}" for b in backends)]:
+        model = T.sharing_copy(base)
+        if name.startswith("varlen:"):
+            va.enable_varlen(model, backend=name.split(":", 1)[1])
+        if args.compile == "blocks":
+            for block in T.blocks_of(model):
+                block.compile(fullgraph=True, mode=args.compile_mode)
+        v = T.Variant(name, model, masked=True, lr=args.lr)
+        for _ in range(3):
+            v.step(batch)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            v.step(batch)
+            enq = (time.perf_counter() - t0) * 1e3
+            torch.cuda.synchronize()
+            end = (time.perf_counter() - t0) * 1e3
+        print(f"==== {name}: CPU enqueue {enq:.1f} ms, step ends {end:.1f} ms (profiled)")
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
+        del v, model
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
