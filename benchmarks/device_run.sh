@@ -28,7 +28,6 @@ for s in $STEPS; do case $s in
         --json "$OUT/$name.json" --png "$OUT/$name.png" 2>&1 | tail -14 | tee "$OUT/$name.txt"; done ;;
   profile) run 300 python3 benchmarks/profile_step.py ${PROFILE_ARGS:---px 512 --compile blocks --double 2 --single 4} 2>&1 \
       | grep -v "^-\{20\}" | tee "$OUT/profile_step.txt" | head -150 ;;
-  rocheck) run 200 python3 benchmarks/_ro_check.py 2>&1 | grep "step" | tee "$OUT/ro_check.txt" ;;
   example) run 150 python3 examples/train_chroma.py 2>&1 | tail -8 | tee "$OUT/train_chroma.txt" ;;
   compare) # before/after: $OLD holds the other checkout's varlen_attn (+ kernels_ref); rounds interleaved
       for round in 1 2 3; do

@@ -48,6 +48,16 @@ def main():
             torch.cuda.synchronize()
             end = (time.perf_counter() - t0) * 1e3
         print(f"==== {name}: CPU enqueue {enq:.1f} ms, step ends {end:.1f} ms (profiled)")
+        if name != "stock":  # Python time per function inside the attention calls
+            import cProfile
+            import pstats
+
+            pr = cProfile.Profile()
+            pr.enable()
+            v.step(batch)
+            torch.cuda.synchronize()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(r"varlen_attn|flash_attn|cute|_library", 30)
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
         del v, model

@@ -34,17 +34,15 @@ def test_chroma_bf16_on_gpu_within_stock_error(lengths):
     assert_model_close(ours, ref, baseline=stock, what=f"chroma bf16/{lengths}")
 
 
-@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_chroma_compiled_blocks_with_a_new_mask_each_step(mode):
-    """Every block compiled (inductor; with CUDA graphs under "reduce-overhead"), the mask new
-    every step at the same shapes: each step equals the stock model run eagerly on the same
-    batch (within 2x stock's own bf16 error), with one plan per step. A CUDA graph that replayed
-    the attention op would replay the first batch's plan and fail from the second step."""
+def test_chroma_compiled_blocks_with_a_new_mask_each_step():
+    """Every block compiled (inductor), the mask new every step at the same shapes: each step
+    equals the stock model run eagerly on the same batch (within 2x stock's own bf16 error),
+    with one plan per step."""
     torch.backends.cuda.enable_cudnn_sdp(False)
     stock = tiny_chroma(dtype=torch.bfloat16, device="cuda")
     model = va.enable_varlen(tiny_chroma(dtype=torch.bfloat16, device="cuda"))
     for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-        block.compile(fullgraph=True, mode=None if mode == "default" else mode)
+        block.compile(fullgraph=True)
     try:
         for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (0, 6, 2), (3, 3, 3), (1, 7, 4)]):
             ref = step(tiny_chroma(), chroma_inputs(lengths, seed=i))  # float64, CPU
@@ -53,6 +51,20 @@ def test_chroma_compiled_blocks_with_a_new_mask_each_step(mode):
             ours = step(model, inputs)
             st = va.stats()
             assert st["plan_builds"] == 1 and st["fallbacks"] == {}, (lengths, st)
-            assert_model_close(ours, ref, baseline=step(stock, inputs), what=f"{mode}/{lengths}")
+            assert_model_close(ours, ref, baseline=step(stock, inputs), what=f"{lengths}")
+    finally:
+        torch.compiler.reset()
+
+
+def test_cuda_graphs_are_refused_clearly():
+    """mode="reduce-overhead" (CUDA graphs): the gradients came out wrong with the attention op
+    between captured partitions (max error 2e36 on the first step against eager stock, H100,
+    torch 2.11), so compiling refuses, naming the modes that work, instead of training wrong."""
+    model = va.enable_varlen(tiny_chroma(dtype=torch.bfloat16, device="cuda"))
+    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+        block.compile(fullgraph=True, mode="reduce-overhead")
+    try:
+        with pytest.raises(Exception, match="reduce-overhead.*mode=None"):
+            step(model, chroma_inputs(dtype=torch.bfloat16, device="cuda"))
     finally:
         torch.compiler.reset()

@@ -24,6 +24,7 @@ forward). Dropout is refused under compilation (a recomputed forward would draw 
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import weakref
 from typing import Optional
@@ -136,9 +137,23 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
 @attention_op.register_fake
 def _(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention, float_mask,
       model):
+    if q.device.type == "cuda" and _cuda_graphs_requested():
+        raise BackendUnavailableError(
+            "varlen_attn does not run under CUDA graphs yet (torch.compile mode='reduce-overhead'): "
+            "with the attention op outside the captured partitions the gradients came out wrong "
+            "(tests/test_gpu_models.py). Compile with mode=None (default) or "
+            "'max-autotune-no-cudagraphs'."
+        )
     b, sq, hq = q.shape[0], q.shape[1], q.shape[2]
     return (q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((hq, b * sq), dtype=torch.float32),
             torch.empty(1, dtype=torch.int64))
+
+
+def _cuda_graphs_requested() -> bool:
+    """Inductor is compiling this graph with CUDA graphs (mode="reduce-overhead"): its options
+    are patched in while AOTAutograd runs the fake implementations."""
+    config = sys.modules.get("torch._inductor.config")
+    return bool(config is not None and config.triton.cudagraphs)
 
 
 @torch.library.custom_op("varlen_attn::attention_backward", mutates_args=(), tags=_NOT_CAPTURABLE)
