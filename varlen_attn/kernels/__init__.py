@@ -33,9 +33,18 @@ BACKENDS: dict[str, Backend] = {
 # Ampere/Ada (sm80-89): FA2 varlen wins there (masked SDPA drops to the mem-efficient kernel;
 # public reports listed in docs/versions.md); the built-in FA2 kernel needs no install.
 # CPU: one dense SDPA call per segment beats the reference kernel's explicit matmuls.
+# Hopper, short rows (every row's longest segment at most SHORT_SEQLEN keys; 512 px joint rows
+# are 1536): PyTorch's built-in varlen first. Measured in the LoRA training step
+# (benchmarks/train_step.py, Chroma full depth, H100, torch 2.11, FA4 4.0.0b36): at 512 px it
+# took 719 ms against FA4's 807 eagerly and 654 against 1092 with every block compiled, while at
+# 1024 px (4608 keys) FA4 won eagerly (1861 against 2127) and tied compiled (1744 against 1761).
+# The built-in kernel also beat one SDPA call per segment in the step (H200: 1948 against 1974
+# ms at 1024 px, 646 against 659 at 512 px), so it comes before split_sdpa in both lists.
+SHORT_SEQLEN = 2048
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("split_sdpa", "reference"),
-    "cuda_sm90": ("flash_attn_4", "flash_attn_3", "split_sdpa", "flash_attn", "torch", "reference"),
+    "cuda_sm90": ("flash_attn_4", "flash_attn_3", "torch", "split_sdpa", "flash_attn", "reference"),
+    "cuda_sm90_short": ("torch", "flash_attn_4", "flash_attn_3", "split_sdpa", "flash_attn", "reference"),
     "cuda": ("flash_attn", "torch", "split_sdpa", "reference"),
 }
 
@@ -45,13 +54,16 @@ def _cuda_class(index: int) -> str:
     return "cuda_sm90" if torch.cuda.get_device_capability(index) >= (9, 0) else "cuda"
 
 
-def priority(device: torch.device) -> tuple[str, ...]:
-    """auto's order for ``device``."""
+def priority(device: torch.device, max_seqlen_k: int | None = None) -> tuple[str, ...]:
+    """auto's order for ``device`` (and, on Hopper, for rows of ``max_seqlen_k`` keys)."""
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return ()
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        return PRIORITY[_cuda_class(idx)]
+        cls = _cuda_class(idx)
+        if cls == "cuda_sm90" and max_seqlen_k is not None and max_seqlen_k <= SHORT_SEQLEN:
+            cls = "cuda_sm90_short"
+        return PRIORITY[cls]
     return PRIORITY.get(device.type, tuple(BACKENDS))
 
 ENV_VAR = "VARLEN_ATTN_BACKEND"
@@ -79,7 +91,7 @@ def select(inp: VarlenInputs, name: str) -> Backend:
             )
         return BACKENDS[name]
     why = {}
-    for candidate in priority(inp.q.device):
+    for candidate in priority(inp.q.device, inp.plan.max_seqlen_k):
         reasons = BACKENDS[candidate].not_supported_reasons(inp)
         if not reasons:
             return BACKENDS[candidate]
