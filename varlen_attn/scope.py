@@ -177,7 +177,11 @@ def derivable_name(func) -> str:
     """The name a derivation records for ``func``; "" for a function whose output its inputs do
     not determine. Evaluated once per function while tracing (a constant to dynamo)."""
     name = getattr(func, "__name__", "")
-    return "" if any(word in name for word in _NONDETERMINISTIC) else name
+    if not name or any(word in name for word in _NONDETERMINISTIC):
+        return ""
+    # Qualified, so that a function and a method of one name (torch.where(c, x, y) and
+    # x.where(c, y), whose arguments mean different things) never share a derivation.
+    return f"{getattr(func, '__module__', None) or ''}.{getattr(func, '__qualname__', None) or name}"
 
 
 def trace_derive(func, args, kwargs, out) -> None:
