@@ -65,7 +65,7 @@ class VarlenHook(TorchFunctionMode):
                 scope.forget(target)
             return out
         out = func(*args, **kwargs)
-        if isinstance(out, torch.Tensor) and (out.dtype == torch.bool or not out.requires_grad):
+        if scopes.keyable_output(out):
             key = scope.derive(func, args, kwargs)
             if key is not None:
                 scope.mark(out, key)

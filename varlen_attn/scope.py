@@ -86,6 +86,17 @@ class _Unkeyable(Exception):
     pass
 
 
+def _random(name: str) -> bool:
+    """A function of this name makes an output its inputs do not determine: never keyed."""
+    return any(word in name for word in _NONDETERMINISTIC)
+
+
+def keyable_output(out) -> bool:
+    """The outputs a derivation is recorded for, eager and traced: masks are bool or carry no
+    gradient (activations of a trained model do)."""
+    return isinstance(out, torch.Tensor) and (out.dtype == torch.bool or not out.requires_grad)
+
+
 class Scope:
     """Per-forward state: the policy, derivation keys of mask tensors, the plans built from
     them, and the model's mask inputs (``roots``, by argument name)."""
@@ -146,8 +157,7 @@ class Scope:
         has_tensor = any(isinstance(a, torch.Tensor) for a in _flat(args, kwargs))
         if not has_tensor and func not in _FACTORIES:
             return None
-        name = getattr(func, "__name__", "")
-        if any(word in name for word in _NONDETERMINISTIC):
+        if _random(getattr(func, "__name__", "")):
             return None
         try:
             like = func in _LIKE
@@ -177,7 +187,7 @@ def derivable_name(func) -> str:
     """The name a derivation records for ``func``; "" for a function whose output its inputs do
     not determine. Evaluated once per function while tracing (a constant to dynamo)."""
     name = getattr(func, "__name__", "")
-    if not name or any(word in name for word in _NONDETERMINISTIC):
+    if not name or _random(name):
         return ""
     # Qualified, so that a function and a method of one name (torch.where(c, x, y) and
     # x.where(c, y), whose arguments mean different things) never share a derivation.
@@ -187,7 +197,7 @@ def derivable_name(func) -> str:
 def trace_derive(func, args, kwargs, out) -> None:
     """While tracing: record on ``out`` how ``func`` made it, when every tensor input is keyed or
     traced and ``func`` is deterministic (the eager rule of :meth:`Scope.derive`)."""
-    if not isinstance(out, torch.Tensor) or (out.requires_grad and out.dtype != torch.bool):
+    if not keyable_output(out):
         return
     name = derivable_name(func)
     if not name:
