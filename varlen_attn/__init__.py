@@ -5,8 +5,8 @@ Layers, bottom up (a module imports only from layers below it; docs/design.md):
 (gather/scatter, exact autograd) -> ``kernels`` (varlen backends) -> ``scope`` (which plan a
 mask gets) -> ``fused`` -> ``execution`` (one call with its plan: route and run) -> adapters:
 ``op`` (the torch.compile custom op), ``functional``, ``hook`` (the SDPA TorchFunctionMode),
-``model`` (enable_varlen) and ``processor`` (VarlenAttnProcessor). ``padding`` stands beside
-``pack``.
+``model`` (enable_varlen), ``processor`` (VarlenAttnProcessor) and ``parallel`` (Ulysses context
+parallelism). ``padding`` stands beside ``pack``.
 """
 
 from ._errors import (
@@ -21,6 +21,7 @@ from .functional import attention, scaled_dot_product_attention
 from .kernels import available_backends
 from .model import disable_varlen, enable_varlen, varlen
 from .pack import pack, unpack
+from .parallel import shard_sequence, ulysses_attention
 from .padding import pad_input, unpad_input
 from .plan import VarlenPlan, build_plan, clear_plan_cache, plan_from_seqlens
 from .processor import VarlenAttnProcessor
@@ -46,8 +47,10 @@ __all__ = [
     "plan_from_seqlens",
     "reset_stats",
     "scaled_dot_product_attention",
+    "shard_sequence",
     "stats",
     "unpack",
+    "ulysses_attention",
     "unpad_input",
     "varlen",
 ]

@@ -1,0 +1,155 @@
+"""Several processes on the CPU (gloo, world size 2): Ulysses context parallelism
+(``varlen_attn.parallel``) and data parallelism (DDP, FSDP2) of an enabled model.
+
+Each test spawns two processes once and runs all its cases inside them; a failed assertion in a
+worker fails the test with the worker's traceback. References are computed in each worker by a
+single process on the whole data (float64): masked SDPA for the expected values, and the
+tolerance is :func:`_testing.assert_model_close`'s, with single-process varlen as the baseline
+where one is given.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+import varlen_attn as va
+from _testing import assert_model_close
+
+WORLD = 2
+F64 = torch.float64
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def _entry(rank: int, fn, store: str, args):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD)
+    try:
+        fn(rank, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(tmp_path, fn, *args):
+    """Run ``fn(rank, *args)`` in ``WORLD`` fresh processes joined by a gloo group."""
+    mp.spawn(_entry, args=(fn, str(tmp_path / "store"), args), nprocs=WORLD, join=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ulysses
+
+def _sdpa_ref(q, k, v, keep4, gqa=False):
+    """Masked SDPA on [B, S, H, D] with a bool [B, 1|H, Sq, Sk] mask."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=keep4, enable_gqa=gqa)
+    return out.transpose(1, 2)
+
+
+def _grads(fn, q, k, v, w):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    (out * w).sum().backward()
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _ulysses_cases(b=3, h=4, d=8):
+    """``(name, sq, sk, hkv, model mask, bool [B, 1|H, Sq, Sk] meaning, use_plan)``; structure
+    fixed, values seeded (the same on every rank)."""
+    g = torch.Generator().manual_seed(0)
+    cases = []
+    s = 10
+    keep = torch.rand(b, s, generator=g) > 0.4
+    cases.append(("key_padding_even", s, s, h, keep, keep[:, None, None], False))
+    s, t = 13, 6  # joint [text; image], text padded: the gap sits in the middle of the row
+    text = torch.arange(t)[None] < torch.tensor([3, 0, 6])[:, None]
+    keep = torch.cat([text, torch.ones(b, s - t, dtype=torch.bool)], 1)
+    cases.append(("joint_text_image_uneven", s, s, h, keep, keep[:, None, None], False))
+    s = 7  # uneven, row 1 has no valid key at all (zeros out, zero gradients)
+    keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1], [0] * 7, [1] * 7], dtype=torch.bool)
+    add = torch.zeros(b, 1, 1, s, dtype=F64).masked_fill(~keep[:, None, None], float("-inf"))
+    cases.append(("additive_empty_row_uneven", s, s, h, add, keep[:, None, None], False))
+    cases.append(("plan_gqa_uneven", s, s, h // 2, keep, keep[:, None, None], True))
+    s = 9  # a per-head mask (not packable: masked SDPA on this rank's heads)
+    keep = torch.rand(b, h, 1, s, generator=g) > 0.5
+    keep[..., 0] = True
+    cases.append(("per_head_fallback", s, s, h, keep.expand(b, h, s, s), keep, False))
+    sq, sk = 9, 6  # cross-attention: queries all valid, keys padded
+    keep = torch.arange(sk)[None] < torch.tensor([6, 1, 4])[:, None]
+    cases.append(("cross_attention", sq, sk, h, keep, keep[:, None, None], True))
+    cases.append(("no_mask", 8, 8, h, None, None, False))
+    return cases
+
+
+def _ulysses_worker(rank: int):
+    from varlen_attn.parallel import shard_sequence, ulysses_attention
+
+    b, h, d = 3, 4, 8
+    for name, sq, sk, hkv, mask, keep4, use_plan in _ulysses_cases(b, h, d):
+        g = torch.Generator().manual_seed(len(name))
+        q = torch.randn(b, sq, h, d, generator=g, dtype=F64)
+        k, v = (torch.randn(b, sk, hkv, d, generator=g, dtype=F64) for _ in range(2))
+        w = torch.randn(b, sq, h, d, generator=g, dtype=F64)
+        gqa = hkv != h
+        kv_keep = None if keep4 is None else keep4
+        ref = _grads(lambda q, k, v: _sdpa_ref(q, k, v, kv_keep, gqa), q, k, v, w)
+        single = _grads(lambda q, k, v: va.attention(q, k, v, mask, enable_gqa=gqa), q, k, v, w)
+        plan = va.build_plan(mask, seqlen_q=sq) if use_plan else None
+        va.reset_stats()
+        got = _grads(lambda q, k, v: ulysses_attention(q, k, v, mask, plan=plan, enable_gqa=gqa),
+                     *(shard_sequence(t) for t in (q, k, v)), shard_sequence(w))
+        st = va.stats()
+        local = {n: shard_sequence(t) for n, t in ref.items()}
+        assert got["out"].shape == local["out"].shape, name
+        assert_model_close(got, local, baseline={n: shard_sequence(t) for n, t in single.items()},
+                           what=f"rank {rank}/{name}")
+        if name == "per_head_fallback":
+            assert st["backends"] == {"sdpa": 1} and len(st["fallbacks"]) == 1, (name, st)
+        elif mask is not None:
+            assert st["fallbacks"] == {}, (name, st)
+            assert st["backends"] == {"split_sdpa": 1}, (name, st)
+            assert st["plan_builds"] == (0 if use_plan else 1), (name, st)
+
+
+def test_ulysses_equals_single_process_attention(tmp_path):
+    spawn(tmp_path, _ulysses_worker)
+
+
+def _ulysses_errors_worker(rank: int):
+    from varlen_attn.parallel import ulysses_attention
+
+    x = torch.zeros(1, 4, 3, 8, dtype=F64)
+    try:
+        ulysses_attention(x, x, x)
+    except va.InputValueError as e:
+        assert "query has 3 heads" in str(e) and "divisible by 2" in str(e), str(e)
+    else:
+        raise AssertionError("3 heads over 2 ranks must raise")
+    x = torch.zeros(1, 5, 2, 8, dtype=F64)  # 5 local tokens on each rank, but the mask says 7 in all
+    try:
+        ulysses_attention(x, x, x, torch.ones(1, 7, dtype=torch.bool))
+    except va.InputValueError as e:
+        assert re.search(r"key: rank \d of 2 must hold [34] of the 7 tokens given by attn_mask.*got 5", str(e)), str(e)
+    else:
+        raise AssertionError("a slice that does not fit the mask must raise")
+
+
+def test_ulysses_refuses_heads_not_divisible_and_wrong_slices(tmp_path):
+    spawn(tmp_path, _ulysses_errors_worker)
+
+
+def test_ulysses_needs_a_process_group():
+    from varlen_attn.parallel import ulysses_attention
+
+    if dist.is_initialized():
+        pytest.skip("a process group is initialized in this process")
+    x = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(va.InputValueError, match="group: ulysses_attention needs an initialized"):
+        ulysses_attention(x, x, x)

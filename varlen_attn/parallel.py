@@ -1,0 +1,194 @@
+"""Ulysses context parallelism for masked attention, on ``torch.distributed`` only.
+
+Each rank of a process group holds a contiguous slice of the sequence (``[B, S_r, H, D]``).
+:func:`ulysses_attention` exchanges the slices with one all-to-all so that each rank holds the
+*whole* sequence for ``H / P`` of the heads, runs :func:`varlen_attn.attention` there, and
+exchanges back. Attention over the whole sequence needs no new plan and no new mask logic: the
+full mask, replicated on every rank, means the same thing for every head group, so the plan of a
+single-process run is used unchanged (built once per batch, one sync on each rank, no
+collective for it).
+
+Uneven lengths (``S`` not divisible by ``P``) use all-to-all with split sizes, not padding:
+padding would need a second mask and would send padded tokens over the wire. The sharding
+convention is :func:`shard_sequence`'s, that of ``torch.tensor_split``: rank ``r`` holds
+``S // P + (r < S % P)`` tokens, in rank order. Every rank derives every rank's length from
+the full length (the mask's or plan's), so no lengths are exchanged.
+
+An adapter layer: it imports from :mod:`varlen_attn.functional` and below; nothing below
+imports it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ._errors import InputTypeError, InputValueError, describe
+from .functional import attention
+from .plan import VarlenPlan
+
+
+def shard_sizes(seq_len: int, world_size: int) -> list[int]:
+    """Tokens per rank for a sequence of ``seq_len`` split over ``world_size`` ranks: the sizes
+    of ``torch.tensor_split`` (the first ``seq_len % world_size`` ranks hold one more)."""
+    base, extra = divmod(seq_len, world_size)
+    return [base + (r < extra) for r in range(world_size)]
+
+
+def _group_info(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise InputValueError(
+            f"group: ulysses_attention needs an initialized torch.distributed process group, got "
+            f"group={group!r} with torch.distributed {'not initialized' if dist.is_available() else 'unavailable'}")
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard_sequence(x: torch.Tensor, *, group=None, dim: int = 1) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (default: the sequence dim of ``[B, S, ...]``),
+    in the convention :func:`ulysses_attention` expects (``torch.tensor_split`` in rank order)."""
+    if not isinstance(x, torch.Tensor):
+        raise InputTypeError(f"x must be a torch.Tensor, got {describe(x)}")
+    rank, world = _group_info(group)
+    return torch.tensor_split(x, world, dim=dim)[rank]
+
+
+class _AllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` along dim 0 with split sizes, differentiable: the gradient
+    travels back by the same exchange with the split sizes swapped."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        x = x.contiguous()
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+def _seq_to_heads(x: torch.Tensor, sizes: list[int], rank: int, world: int, group) -> torch.Tensor:
+    """``[B, S_r, H, D]`` (this rank's tokens, all heads) -> ``[B, S, H/P, D]`` (all tokens,
+    this rank's head group)."""
+    b, s, h, d = x.shape
+    # Chunk j of dim 0 (this rank's tokens of head group j) goes to rank j.
+    x = x.reshape(b, s, world, h // world, d).permute(2, 1, 0, 3, 4).reshape(world * s, b, h // world, d)
+    out = _AllToAll.apply(x, [s] * world, sizes, group)  # [S, B, H/P, D], rank order = sequence order
+    return out.permute(1, 0, 2, 3)
+
+
+def _heads_to_seq(x: torch.Tensor, sizes: list[int], rank: int, world: int, group) -> torch.Tensor:
+    """The inverse of :func:`_seq_to_heads`: ``[B, S, H/P, D]`` -> ``[B, S_r, H, D]``."""
+    b, _, h, d = x.shape
+    s = sizes[rank]
+    out = _AllToAll.apply(x.permute(1, 0, 2, 3), sizes, [s] * world, group)  # [P * S_r, B, H/P, D]
+    return out.reshape(world, s, b, h, d).permute(2, 1, 0, 3, 4).reshape(b, s, world * h, d)
+
+
+def _full_length(name: str, local: int, hint: int | None, hint_name: str, rank: int, world: int) -> int:
+    """The full sequence length behind a local slice: ``hint`` (from the plan or the mask) when
+    known, checked against the sharding convention; else ``P * local`` (even shards)."""
+    if hint is None:
+        return local * world
+    expected = shard_sizes(hint, world)[rank]
+    if local != expected:
+        raise InputValueError(
+            f"{name}: rank {rank} of {world} must hold {expected} of the {hint} tokens given by "
+            f"{hint_name} (split as torch.tensor_split / shard_sequence), got {local}")
+    return hint
+
+
+def _local_heads(mask, batch: int, heads: int, rank: int, world: int):
+    """A mask with a head dim of all ``heads`` -> this rank's head group. Other masks hold for
+    every head and are used as given."""
+    if mask is None or heads == 1 or not isinstance(mask, torch.Tensor):
+        return mask
+    h = heads // world
+    if mask.dim() == 4 and mask.shape[1] == heads:
+        return mask[:, rank * h:(rank + 1) * h]
+    if mask.dim() == 3 and mask.shape[0] == batch * heads and batch * heads != batch:
+        # diffusers' prepared [B*H, Sq|1, Sk] layout
+        return mask.reshape(batch, heads, *mask.shape[1:])[:, rank * h:(rank + 1) * h]
+    return mask
+
+
+def ulysses_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    *,
+    group=None,
+    plan: VarlenPlan | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    backend: str | None = None,
+    strict: bool = False,
+) -> torch.Tensor:
+    """Masked attention over a sequence split across the ranks of ``group`` (Ulysses).
+
+    Args:
+        query: ``[B, Sq_r, Hq, D]``, this rank's slice of the queries; key, value:
+            ``[B, Sk_r, Hkv, D|Dv]``. Slices in the convention of :func:`shard_sequence`.
+            ``Hq`` and ``Hkv`` must be divisible by the group's size.
+        attn_mask: the mask of the **whole** sequence, the same on every rank, in any layout
+            :func:`varlen_attn.attention` accepts (``[B, Sk]`` key padding, ``[B, 1, Sq, Sk]``,
+            ...). A mask with a head dim of all ``Hq`` heads is cut to this rank's heads.
+        group: the process group (default: the world).
+        plan: the plan of the whole sequence's mask (``build_plan(mask)``), as for
+            :func:`varlen_attn.attention`: built once per batch, reused by every layer.
+        dropout_p, is_causal, scale, enable_gqa, backend, strict: as
+            :func:`varlen_attn.attention`.
+
+    Returns:
+        ``[B, Sq_r, Hq, Dv]``, this rank's slice of the output; equal to the same slice of
+        ``varlen_attn.attention`` on the whole sequence. Differentiable in q, k and v.
+
+    Full lengths come from the plan, else from the mask (``Sk`` is its last dim; ``Sq`` is
+    ``Sk`` when the local slices are equally long, else the mask's query dim if it has one);
+    without either the slices must be even (``S = P * S_r``).
+    """
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise InputTypeError(f"{name} must be a torch.Tensor, got {describe(t)}")
+        if t.dim() != 4:
+            raise InputValueError(f"{name} must be 4-D [B, S/P, H, D], got shape {tuple(t.shape)}")
+    rank, world = _group_info(group)
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.shape[2] % world:
+            raise InputValueError(
+                f"{name} has {t.shape[2]} heads; Ulysses splits heads across the {world} ranks of "
+                f"group, so they must be divisible by {world}")
+    if world == 1:
+        return attention(query, key, value, attn_mask, plan=plan, dropout_p=dropout_p, is_causal=is_causal,
+                         scale=scale, enable_gqa=enable_gqa, backend=backend, strict=strict)
+    mask_sq = mask_sk = None
+    if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() >= 1:
+        mask_sk = attn_mask.shape[-1]
+        if attn_mask.dim() >= 3 and attn_mask.shape[-2] > 1:
+            mask_sq = attn_mask.shape[-2]
+    if plan is not None:
+        sk_hint, sk_from = plan.seqlen_k, "plan.seqlen_k"
+        sq_hint, sq_from = plan.seqlen_q, "plan.seqlen_q"
+    else:
+        sk_hint, sk_from = mask_sk, "attn_mask's last dim"
+        sq_hint, sq_from = mask_sq, "attn_mask's query dim"
+        if sq_hint is None and query.shape[1] == key.shape[1]:
+            sq_hint, sq_from = sk_hint, "attn_mask's last dim (self-attention)"
+    sk = _full_length("key", key.shape[1], sk_hint, sk_from, rank, world)
+    sq = _full_length("query", query.shape[1], sq_hint, sq_from, rank, world)
+    if value.shape[1] != key.shape[1]:
+        raise InputValueError(f"value must hold as many tokens as key, got key {tuple(key.shape)} "
+                              f"and value {tuple(value.shape)}")
+    q_sizes, k_sizes = shard_sizes(sq, world), shard_sizes(sk, world)
+    q = _seq_to_heads(query, q_sizes, rank, world, group)
+    k = _seq_to_heads(key, k_sizes, rank, world, group)
+    v = _seq_to_heads(value, k_sizes, rank, world, group)
+    mask = _local_heads(attn_mask, query.shape[0], query.shape[2], rank, world)
+    out = attention(q, k, v, mask, plan=plan, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa, backend=backend, strict=strict)
+    return _heads_to_seq(out, q_sizes, rank, world, group)
