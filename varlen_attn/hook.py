@@ -26,11 +26,27 @@ from . import scope as scopes
 from .functional import sdpa_with_policy
 
 
-@torch.compiler.assume_constant_result  # a constant per function while dynamo traces the hook
-def _in_place(func) -> bool:
+def _writes_first_argument(func) -> bool:
     name = getattr(func, "__name__", "")
     return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or (
         name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__index__", "__int__", "__invert__", "__iter__"))
+
+
+_IN_PLACE: dict = {}  # func -> bool: the hook runs on every torch function of a forward
+
+
+@torch.compiler.assume_constant_result  # a constant per function while dynamo traces the hook
+def _in_place(func) -> bool:
+    try:
+        return _IN_PLACE[func]
+    except (KeyError, TypeError):  # TypeError: an unhashable callable
+        flag = _writes_first_argument(func)
+        if len(_IN_PLACE) < 4096:  # bounded: a caller could make new callables per call
+            try:
+                _IN_PLACE[func] = flag
+            except TypeError:
+                pass
+        return flag
 
 
 class VarlenHook(TorchFunctionMode):

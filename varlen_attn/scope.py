@@ -154,6 +154,12 @@ class Scope:
 
     def derive(self, func, args, kwargs):
         """Key of ``func(*args, **kwargs)`` if every tensor input is keyed, else None."""
+        if func not in _LIKE:
+            # The common case, an activation among the inputs, ends here: no exception, no walk.
+            derived = self.derived
+            for a in args:
+                if isinstance(a, torch.Tensor) and id(a) not in derived:
+                    return None
         has_tensor = any(isinstance(a, torch.Tensor) for a in _flat(args, kwargs))
         if not has_tensor and func not in _FACTORIES:
             return None
