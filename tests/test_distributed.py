@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import varlen_attn as va
 from _testing import assert_model_close
@@ -153,3 +154,81 @@ def test_ulysses_needs_a_process_group():
     x = torch.zeros(1, 4, 2, 8)
     with pytest.raises(va.InputValueError, match="group: ulysses_attention needs an initialized"):
         ulysses_attention(x, x, x)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data parallel: DDP and FSDP2 around an enabled tiny Chroma with gradient checkpointing.
+
+class CountCollectives(TorchDispatchMode):
+    """Counts the collective ops that reach torch's dispatcher while active (``c10d`` and
+    ``_c10d_functional``: how ``torch.distributed``'s functions, DDP's Python side and FSDP2
+    launch them)."""
+
+    def __enter__(self):
+        self.calls: dict[str, int] = {}
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace in ("c10d", "_c10d_functional"):
+            self.calls[func.__name__] = self.calls.get(func.__name__, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _full(t):
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def _data_parallel_worker(rank: int, mode: str):
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+
+    # Each rank trains on its own batch; one process running both is the reference (stock,
+    # without checkpointing: diffusers' checkpointed Chroma drops the mask of its single blocks,
+    # which enable_varlen gives back).
+    batches = [chroma_inputs(lengths=(5, 2, 0), seed=1), chroma_inputs(lengths=(7, 1, 3), seed=2)]
+    reference = tiny_chroma()
+    refs = [step(reference, batch) for batch in batches]
+    ref_grads = {n: (refs[0][1][n] + refs[1][1][n]) / WORLD for n in refs[0][1]}
+
+    model = tiny_chroma()
+    model.enable_gradient_checkpointing()
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped, prefix = DistributedDataParallel(model), "module."
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+            fully_shard(block)
+        wrapped, prefix = fully_shard(model), ""
+    for _ in range(2):  # DDP rebuilds its buckets (broadcasts) at the second forward: past that
+        step(wrapped, batches[rank])
+    with CountCollectives() as stock_calls:
+        step(wrapped, batches[rank])
+    va.enable_varlen(model)
+    va.reset_stats()
+    with CountCollectives() as varlen_calls:
+        out, grads = step(wrapped, batches[rank])
+    st = va.stats()
+    grads = {n.removeprefix(prefix): _full(g) for n, g in grads.items()}
+    assert_model_close((out, grads), (refs[rank][0], ref_grads), what=f"{mode} rank {rank}")
+    assert varlen_calls.calls == stock_calls.calls, (varlen_calls.calls, stock_calls.calls)
+    assert st["plan_builds"] == 1 and st["host_syncs"] == 1, st  # one plan per forward, per rank
+    assert st["fallbacks"] == {}, st
+    assert st["backends"] == {"split_sdpa": 2 * CHROMA_ATTN_LAYERS}, st  # forward + recomputation
+
+
+def test_ddp_trains_like_one_process(tmp_path):
+    spawn(tmp_path, _data_parallel_worker, "ddp")
+
+
+def test_fsdp2_trains_like_one_process(tmp_path):
+    spawn(tmp_path, _data_parallel_worker, "fsdp2")
+
+
+def test_only_the_parallel_adapter_uses_torch_distributed():
+    """The rest of the library calls no collective: data parallel wrappers see the same
+    communication with and without varlen (the workers above also count the Python calls)."""
+    root = pathlib.Path(va.__file__).parent
+    users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "torch.distributed" in p.read_text())
+    assert users == ["parallel.py"], users
