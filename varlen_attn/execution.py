@@ -14,6 +14,7 @@ call's backward. :func:`masked_sdpa` is the library's one call of masked SDPA.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -81,11 +82,29 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
     if q.device != plan.device:
         raise InputValueError(f"plan was built on {plan.device}, query is on {q.device}")
     scale = q.shape[-1] ** -0.5 if opts.scale is None else float(opts.scale)
-    # Selection reads heads, head dim, dtype and device: per-token views are enough.
-    probe = VarlenInputs(q.select(1, 0), k.select(1, 0), v.select(1, 0), plan, scale, opts.causal, opts.dropout_p)
-    impl = select(probe, name)
+    impl = _select(q, k, v, plan, scale, opts, name)
     fused = impl.NATIVE_BACKWARD and plan.total_q > 0 and not opts.dropout_p
     return Route(impl, None, scale, fused)
+
+
+# plan -> {what selection reads of a call: the backend}. Every layer of a forward shares its
+# plan and, nearly always, its heads, head dim and dtype: one selection per plan, not per call.
+_selected: "weakref.WeakKeyDictionary[VarlenPlan, dict]" = weakref.WeakKeyDictionary()
+
+
+def _select(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -> Backend:
+    key = (name, q.dtype, q.device, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], scale > 0,
+           opts.causal, opts.dropout_p > 0)
+    chosen = _selected.get(plan)
+    if chosen is None:
+        chosen = _selected.setdefault(plan, {})
+    impl = chosen.get(key)
+    if impl is None:
+        # Selection reads heads, head dim, dtype and device (and the plan): per-token views do.
+        probe = VarlenInputs(q.select(1, 0), k.select(1, 0), v.select(1, 0), plan, scale, opts.causal,
+                             opts.dropout_p)
+        impl = chosen[key] = select(probe, name)
+    return impl
 
 
 def refuse_unpackable(policy, reason: str) -> None:
