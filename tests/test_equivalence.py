@@ -130,3 +130,31 @@ def test_every_packable_kind_is_packed(kind):
     run()
     assert va.stats()["backends"].get("reference", 0) > 0
     assert va.stats()["fallbacks"] == {}
+
+
+@given(case=cases(kinds=("cross", "segments", "key_padding", "outer"), reps=("bool", "neg_inf")))
+def test_dropin_causal_with_a_plan_aligns_top_left_as_sdpa(case):
+    """The drop-in with ``plan=`` and ``is_causal=True`` means what SDPA means: ``mask & tril``
+    aligned top-left, also when Sq != Sk (where a plan's own causal segments would align
+    bottom-right); without a mask that case is refused, naming ``plan``."""
+    note(repr(case))
+    b, hq, sq, _ = case.q.shape
+    sk = case.k.shape[2]
+    tri = torch.ones(sq, sk, dtype=torch.bool).tril()  # SDPA's is_causal: top-left
+    keep = effective_keep(case)
+    full = tri if keep is None else keep & tri
+
+    def ref_fn(q, k, v):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=case.gqa)
+
+    plan = va.build_plan(case.mask, batch_size=b, seqlen_q=sq, seqlen_k=sk, num_heads=hq, convention="torch")
+
+    def fn(q, k, v):
+        return va.scaled_dot_product_attention(q, k, v, case.mask, is_causal=True, plan=plan,
+                                               enable_gqa=case.gqa)
+
+    ref = run_with_grads(ref_fn, case, torch.float64)
+    assert_matches(run_with_grads(fn, case, torch.float64), ref, ref, torch.float64)
+    if sq != sk:
+        with pytest.raises(va.InputValueError, match="plan"):
+            va.scaled_dot_product_attention(case.q, case.k, case.v, is_causal=True, plan=plan, enable_gqa=case.gqa)

@@ -192,6 +192,14 @@ def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
     scale = _check_options(dropout_p, scale)
     _check_plan(plan, b, sq, sk, query, key)
+    if is_causal and sq != sk and plan is not None:
+        # SDPA's causal part is top-left aligned; a plan packs bottom-right-aligned causal segments.
+        if attn_mask is None:
+            raise InputValueError(
+                f"plan with is_causal=True needs Sq == Sk (SDPA aligns is_causal top-left, a plan's "
+                f"causal segments align bottom-right), got Sq={sq}, Sk={sk}: pass attn_mask instead "
+                f"of plan, or use varlen_attn.attention (bottom-right)")
+        plan = None  # the plan is attn_mask's alone; the mask below adds the causal part
     if attn_mask is not None and is_causal:
         if not MASK_WITH_CAUSAL:
             raise InputValueError(
