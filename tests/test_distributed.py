@@ -232,3 +232,40 @@ def test_only_the_parallel_adapter_uses_torch_distributed():
     root = pathlib.Path(va.__file__).parent
     users = sorted(str(p.relative_to(root)) for p in root.rglob("*.py") if "torch.distributed" in p.read_text())
     assert users == ["parallel.py"], users
+
+
+# ------------------------------------------------------------------------------------------------
+# diffusers' own context parallelism (Ulysses, native backend) with enable_varlen: the recipe of
+# docs/multi_gpu.md. diffusers 0.42.1 cannot set it up without an accelerator (it computes
+# ``rank % torch.accelerator.device_count()``, a ZeroDivisionError on the CPU): the worker
+# reports one device, which is all that computation is used for on the CPU.
+
+def _diffusers_cp_worker(rank: int):
+    from diffusers import ContextParallelConfig
+    from _models import QF_B, prefix_keep, qwen_flux_inputs, qwen_model, step
+
+    torch.accelerator.device_count = lambda: 1
+    inputs = qwen_flux_inputs()
+    inputs.pop("pooled_projections")
+    # diffusers shards text and image tokens evenly: 8 text tokens, 20 image tokens.
+    inputs["encoder_hidden_states"] = torch.randn(QF_B, 8, 32, generator=torch.Generator().manual_seed(3),
+                                                  dtype=F64)
+    inputs.update(encoder_hidden_states_mask=prefix_keep([5, 2, 8], length=8), img_shapes=[(1, 4, 5)] * QF_B)
+    model = qwen_model()
+    ref = step(model, inputs)  # one process, stock, whole sequence
+    model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=WORLD))
+    va.enable_varlen(model)
+    va.reset_stats()
+    out, grads = step(model, inputs)
+    st = va.stats()
+    for g in grads.values():  # each rank holds the gradient of its part of the sequence
+        dist.all_reduce(g)
+    assert_model_close((out, grads), ref, what=f"diffusers CP rank {rank}")
+    assert st["fallbacks"] == {} and st["backends"] == {"split_sdpa": 2}, st
+    # diffusers all-gathers the mask in every layer: a new tensor each time, so one plan per layer.
+    assert st["plan_builds"] == 2, st
+
+
+def test_diffusers_context_parallel_with_enable_varlen(tmp_path):
+    pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
+    spawn(tmp_path, _diffusers_cp_worker)
