@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.metadata
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -307,6 +308,7 @@ def environment(device: torch.device) -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "varlen_attn": va.__version__,
+        "varlen_attn_path": os.path.dirname(va.__file__),  # which checkout (before/after runs)
         "flash_attn_4": _version("flash-attn-4"),
         "flash_attn": _version("flash-attn"),
         "diffusers": _version("diffusers"),

@@ -397,7 +397,7 @@ def main():
              f"{str(dtype).replace('torch.', '')},\ncheckpointing {args.checkpointing}, compile {args.compile}"
              + (f" ({compile_backend}{', ' + args.compile_mode if args.compile_mode else ''})" if compiled else ""))
     print(f"{env['gpu']}, torch {env['torch']}, diffusers {env['diffusers']}, peft {env['peft']}, "
-          f"flash-attn-4 {env['flash_attn_4']}, flash-attn {env['flash_attn']}")
+          f"flash-attn-4 {env['flash_attn_4']}, flash-attn {env['flash_attn']}, varlen_attn from {env['varlen_attn_path']}")
     print(title)
     print(f"  LoRA on {adapted} attention projections; {args.mask_dtype} mask, a new tensor every step; "
           f"varlen backends {backends}")
