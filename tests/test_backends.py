@@ -244,19 +244,14 @@ def test_explicit_uninstalled_backend_lists_reasons():
 
 def test_auto_priorities(monkeypatch):
     assert kernels.priority(torch.device("cpu"))[0] == "split_sdpa"
-    hopper, short = kernels.PRIORITY["cuda_sm90"], kernels.PRIORITY["cuda_sm90_short"]
+    hopper = kernels.PRIORITY["cuda_sm90"]
     assert hopper.index("flash_attn_4") < hopper.index("torch") < hopper.index("split_sdpa")
-    assert short.index("torch") < short.index("flash_attn_4") < short.index("split_sdpa")
     assert kernels.PRIORITY["cuda"][0] == "flash_attn"
-    assert set(hopper) == set(short) == set(kernels.BACKENDS)
-    # On Hopper the order follows the row length: short rows (512 px) go to torch's kernel first.
+    assert set(hopper) == set(kernels.BACKENDS)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(kernels, "_cuda_class", lambda index: "cuda_sm90")
-    cuda = torch.device("cuda")
-    assert kernels.priority(cuda, 1536) == kernels.priority(cuda, kernels.SHORT_SEQLEN) == short
-    assert kernels.priority(cuda, kernels.SHORT_SEQLEN + 1) == kernels.priority(cuda, 4608) == hopper
-    assert kernels.priority(cuda) == hopper
+    assert kernels.priority(torch.device("cuda")) == hopper
     q = k = v = torch.randn(1, 1, 4, 8)
     va.reset_stats()
     va.scaled_dot_product_attention(q, k, v, torch.tensor([True, False, True, True]))

@@ -27,24 +27,21 @@ BACKENDS: dict[str, Backend] = {
 
 # Priority for backend="auto", per device class (measurements and sources: docs/versions.md,
 # "Why auto's priority list is what it is").
-# Hopper and newer (sm90+): the Hopper-class kernels first (FA4, FA3); then one dense SDPA call
-# per segment, which beat FA2-class varlen kernels on an H200 (measured again by
-# benchmarks/backends.py); FA2 and PyTorch's built-in FA2 varlen after it.
+# Hopper and newer (sm90+): the Hopper-class kernels first (FA4, FA3); then PyTorch's built-in
+# varlen kernel, which beat one dense SDPA call per segment in the LoRA training step
+# (benchmarks/train_step.py, Chroma full depth, H200: 1948 against 1974 ms at 1024 px, 646
+# against 659 at 512 px); FA2 after them.
+# One order for every row length: in six side-by-side H100 step measurements at 512 px
+# (torch 2.11, FA4 4.0.0b36) FA4 beat `torch` four times (eager 748/852 and 759/833 ms, blocks
+# compiled 556/700 and 584/605) and lost twice (eager 856/792, compiled 1092/654), and FA4 won
+# every 1024 px cell (eager 1890/2159, compiled 1690/1753). A short-row rule (torch first below
+# 2048 keys) was tried and removed: the data did not carry it.
 # Ampere/Ada (sm80-89): FA2 varlen wins there (masked SDPA drops to the mem-efficient kernel;
 # public reports listed in docs/versions.md); the built-in FA2 kernel needs no install.
 # CPU: one dense SDPA call per segment beats the reference kernel's explicit matmuls.
-# Hopper, short rows (every row's longest segment at most SHORT_SEQLEN keys; 512 px joint rows
-# are 1536): PyTorch's built-in varlen first. Measured in the LoRA training step
-# (benchmarks/train_step.py, Chroma full depth, H100, torch 2.11, FA4 4.0.0b36): at 512 px it
-# took 719 ms against FA4's 807 eagerly and 654 against 1092 with every block compiled, while at
-# 1024 px (4608 keys) FA4 won eagerly (1861 against 2127) and tied compiled (1744 against 1761).
-# The built-in kernel also beat one SDPA call per segment in the step (H200: 1948 against 1974
-# ms at 1024 px, 646 against 659 at 512 px), so it comes before split_sdpa in both lists.
-SHORT_SEQLEN = 2048
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("split_sdpa", "reference"),
     "cuda_sm90": ("flash_attn_4", "flash_attn_3", "torch", "split_sdpa", "flash_attn", "reference"),
-    "cuda_sm90_short": ("torch", "flash_attn_4", "flash_attn_3", "split_sdpa", "flash_attn", "reference"),
     "cuda": ("flash_attn", "torch", "split_sdpa", "reference"),
 }
 
@@ -54,16 +51,13 @@ def _cuda_class(index: int) -> str:
     return "cuda_sm90" if torch.cuda.get_device_capability(index) >= (9, 0) else "cuda"
 
 
-def priority(device: torch.device, max_seqlen_k: int | None = None) -> tuple[str, ...]:
-    """auto's order for ``device`` (and, on Hopper, for rows of ``max_seqlen_k`` keys)."""
+def priority(device: torch.device) -> tuple[str, ...]:
+    """auto's order for ``device``."""
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return ()
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        cls = _cuda_class(idx)
-        if cls == "cuda_sm90" and max_seqlen_k is not None and max_seqlen_k <= SHORT_SEQLEN:
-            cls = "cuda_sm90_short"
-        return PRIORITY[cls]
+        return PRIORITY[_cuda_class(idx)]
     return PRIORITY.get(device.type, tuple(BACKENDS))
 
 ENV_VAR = "VARLEN_ATTN_BACKEND"
@@ -91,7 +85,7 @@ def select(inp: VarlenInputs, name: str) -> Backend:
             )
         return BACKENDS[name]
     why = {}
-    for candidate in priority(inp.q.device, inp.plan.max_seqlen_k):
+    for candidate in priority(inp.q.device):
         reasons = BACKENDS[candidate].not_supported_reasons(inp)
         if not reasons:
             return BACKENDS[candidate]
