@@ -178,7 +178,7 @@ def _full(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _data_parallel_worker(rank: int, mode: str):
+def _data_parallel_worker(rank: int, mode: str, compiled: bool = False):
     from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 
     # Each rank trains on its own batch; one process running both is the reference (stock,
@@ -201,6 +201,9 @@ def _data_parallel_worker(rank: int, mode: str):
         for block in (*model.transformer_blocks, *model.single_transformer_blocks):
             fully_shard(block)
         wrapped, prefix = fully_shard(model), ""
+    if compiled:  # OneTrainer / diffusers' regional compilation, inside the wrapper
+        for block in (*model.transformer_blocks, *model.single_transformer_blocks):
+            block.compile(backend="aot_eager")
     for _ in range(2):  # DDP rebuilds its buckets (broadcasts) at the second forward: past that
         step(wrapped, batches[rank])
     with CountCollectives() as stock_calls:
@@ -218,12 +221,14 @@ def _data_parallel_worker(rank: int, mode: str):
     assert st["backends"] == {"split_sdpa": 2 * CHROMA_ATTN_LAYERS}, st  # forward + recomputation
 
 
-def test_ddp_trains_like_one_process(tmp_path):
-    spawn(tmp_path, _data_parallel_worker, "ddp")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "blocks compiled"])
+def test_ddp_trains_like_one_process(tmp_path, compiled):
+    spawn(tmp_path, _data_parallel_worker, "ddp", compiled)
 
 
-def test_fsdp2_trains_like_one_process(tmp_path):
-    spawn(tmp_path, _data_parallel_worker, "fsdp2")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "blocks compiled"])
+def test_fsdp2_trains_like_one_process(tmp_path, compiled):
+    spawn(tmp_path, _data_parallel_worker, "fsdp2", compiled)
 
 
 def test_only_the_parallel_adapter_uses_torch_distributed():
