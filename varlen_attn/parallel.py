@@ -163,9 +163,10 @@ def ulysses_attention(
             raise InputValueError(
                 f"{name} has {t.shape[2]} heads; Ulysses splits heads across the {world} ranks of "
                 f"group, so they must be divisible by {world}")
+    options = dict(plan=plan, dropout_p=dropout_p, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                   backend=backend, strict=strict)
     if world == 1:
-        return attention(query, key, value, attn_mask, plan=plan, dropout_p=dropout_p, is_causal=is_causal,
-                         scale=scale, enable_gqa=enable_gqa, backend=backend, strict=strict)
+        return attention(query, key, value, attn_mask, **options)
     mask_sq = mask_sk = None
     if isinstance(attn_mask, torch.Tensor) and attn_mask.dim() >= 1:
         mask_sk = attn_mask.shape[-1]
@@ -189,6 +190,5 @@ def ulysses_attention(
     k = _seq_to_heads(key, k_sizes, rank, world, group)
     v = _seq_to_heads(value, k_sizes, rank, world, group)
     mask = _local_heads(attn_mask, query.shape[0], query.shape[2], rank, world)
-    out = attention(q, k, v, mask, plan=plan, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
-                    enable_gqa=enable_gqa, backend=backend, strict=strict)
+    out = attention(q, k, v, mask, **options)
     return _heads_to_seq(out, q_sizes, rank, world, group)
