@@ -49,6 +49,34 @@ def _in_place(func) -> bool:
         return flag
 
 
+def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
+    """Run ``func`` eagerly and key what it makes from keyed masks (:meth:`Scope.derive`);
+    ``tracked``: a new keyed output becomes a :class:`TrackedMask`."""
+    target = args[0] if args and isinstance(args[0], torch.Tensor) and _in_place(func) else None
+    if target is not None:
+        # The new content is func(old content): key it before the op bumps the version.
+        key = scope.derive(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if key is not None:
+            scope.mark(target, key)
+        else:
+            scope.forget(target)
+        return out
+    out = func(*args, **kwargs)
+    if scopes.keyable_output(out):
+        key = scope.derive(func, args, kwargs)
+        if key is not None:
+            if tracked and type(out) is not TrackedMask:
+                out = out.as_subclass(TrackedMask)
+            scope.mark(out, key)
+    return out
+
+
+def _mask_of(args, kwargs):
+    """``attn_mask`` of an SDPA call."""
+    return args[3] if len(args) > 3 else kwargs.get("attn_mask")
+
+
 class VarlenHook(TorchFunctionMode):
     def __init__(self, scope: scopes.Scope):
         super().__init__()
@@ -57,7 +85,11 @@ class VarlenHook(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy)
+            if self.scope.policy.model and _mask_of(args, kwargs) is None:
+                # No mask: stock SDPA, untouched and not counted, as where masks are tracked.
+                return func(*args, **kwargs)
+            with torch._C.DisableTorchFunctionSubclass():  # a tracked mask is plain in here
+                return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy)
         if torch.compiler.is_compiling():
             name = getattr(func, "__name__", "")
             if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
@@ -69,35 +101,57 @@ class VarlenHook(TorchFunctionMode):
             else:
                 scopes.trace_derive(func, args, kwargs, out)
             return out
-        scope = self.scope
-        target = args[0] if args and isinstance(args[0], torch.Tensor) and _in_place(func) else None
-        if target is not None:
-            # The new content is func(old content): key it before the op bumps the version.
-            key = scope.derive(func, args, kwargs)
-            out = func(*args, **kwargs)
-            if key is not None:
-                scope.mark(target, key)
-            else:
-                scope.forget(target)
-            return out
-        out = func(*args, **kwargs)
-        if scopes.keyable_output(out):
-            key = scope.derive(func, args, kwargs)
-            if key is not None:
-                scope.mark(out, key)
-        return out
+        return _track(self.scope, func, args, kwargs, False)
+
+
+class TrackedMask(torch.Tensor):
+    """A mask input of an enabled forward that runs without the mode, and every mask derived
+    from one: only the torch functions that take a tracked mask enter Python (activations never
+    do). They key their outputs as the mode does, and an SDPA call whose mask is tracked goes to
+    varlen_attn. A scope uses this tracking only where it was seen to reach every masked
+    attention call (:mod:`varlen_attn.model`). Outside its scope, or traced by dynamo, a tracked
+    mask is a plain tensor."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        scope = scopes.current_scope()
+        with torch._C.DisableTorchFunctionSubclass():
+            if (scope is None or scope.tracking != scopes.TRACKED or torch.compiler.is_compiling()
+                    or getattr(func, "__name__", "") == "__get__"):  # attributes: .shape, .dtype
+                return func(*args, **kwargs)
+            if func is F.scaled_dot_product_attention:
+                return sdpa_with_policy(*args, **kwargs, policy=scope.policy)
+            return _track(scope, func, args, kwargs, True)
+
+
+def tracked(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a :class:`TrackedMask` (an alias: same storage, same autograd history)."""
+    return t if type(t) is TrackedMask else t.as_subclass(TrackedMask)
+
+
+def _hooked(scope: scopes.Scope) -> bool:
+    """A hook of ``scope`` is active on this thread."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    return any(isinstance(m, VarlenHook) and m.scope is scope for m in _get_current_function_mode_stack())
 
 
 class active:  # noqa: N801 - a context manager
-    """Make ``scope`` current on this thread and its hook active, unless it already is the
-    innermost (a checkpoint recomputation re-entering its forward's scope)."""
+    """Make ``scope`` current on this thread and, when it tracks by mode (or ``mode`` is True),
+    its hook active, unless it already is the innermost (a checkpoint recomputation re-entering
+    its forward's scope)."""
 
-    def __init__(self, scope: scopes.Scope):
+    def __init__(self, scope: scopes.Scope, mode: bool | None = None):
         self.scope = scope
+        self.with_mode = scope.tracking == scopes.MODE if mode is None else mode
         self.mode = None
 
     def __enter__(self):
-        if scopes.push(self.scope):
+        fresh = scopes.push(self.scope)
+        # Not fresh: the forward (or recomputation) already entered it, with its hook when it
+        # tracks by mode. A processor inside a forward that tracks masks needs the hook itself.
+        if self.with_mode and (fresh or (self.scope.tracking == scopes.TRACKED and not _hooked(self.scope))):
             self.mode = VarlenHook(self.scope)
             self.mode.__enter__()
         return self.scope

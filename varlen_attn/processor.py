@@ -76,7 +76,7 @@ class VarlenAttnProcessor:
         scope = current_scope()
         if scope is None:
             scope = Scope(Policy.of(self.backend, self.strict, "bias", model=True))
-        with active(scope):
+        with active(scope, mode=True):  # the processor's masks need not derive from the model's
             return self.processor(attn, *args, **kwargs)
 
     def __reduce__(self):

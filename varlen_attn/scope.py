@@ -38,6 +38,10 @@ logger = logging.getLogger("varlen_attn")
 
 FLOAT_POLICIES = ("bool", "bias", "error")
 
+# How a scope follows its masks: the mode over the whole forward (every torch function), or
+# tracked mask tensors (only the functions that take one): :mod:`varlen_attn.hook`.
+MODE, TRACKED = "mode", "tracked"
+
 
 @dataclass(frozen=True)
 class Policy:
@@ -101,17 +105,25 @@ class Scope:
     """Per-forward state: the policy, derivation keys of mask tensors, the plans built from
     them, and the model's mask inputs (``roots``, by argument name)."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, tracking: str = MODE):
         self.policy = policy
+        self.tracking = tracking
+        # Every mask attention got so far was made from the roots by deterministic functions
+        # of them and constants alone (:func:`root_derived`): what tracked masks can follow.
+        self.root_derived = True
         self.derived: dict[int, tuple] = {}
         self.plans: dict[tuple, VarlenPlan] = {}
         self.roots: dict[str, torch.Tensor] = {}
+        self.given: dict[str, torch.Tensor] = {}
         # The mask handed back to checkpointed blocks that diffusers calls without it.
         self.checkpoint_mask: torch.Tensor | None = None
 
-    def add_root(self, name: str, t: torch.Tensor) -> None:
-        """A mask input of the model: the start of every derivation."""
+    def add_root(self, name: str, t: torch.Tensor, given: torch.Tensor | None = None) -> None:
+        """A mask input of the model: the start of every derivation. ``t`` is what the forward
+        sees, ``given`` the caller's tensor when ``t`` is an alias of it (a tracked mask): plans
+        are cached by the caller's tensor, which lives across forwards."""
         self.roots[name] = t
+        self.given[name] = t if given is None else given
         self.mark(t, ("root", name))
 
     def key_of(self, t: torch.Tensor):
@@ -264,6 +276,29 @@ def _trace_text(a, roots: list, like: bool):
     return None
 
 
+def root_derived(key) -> bool:
+    """``key`` (of :meth:`Scope.derive`) names a mask made from the roots by deterministic
+    functions that take them, with constants: no factory (``torch.ones``, ``*_like``), no mask of
+    unknown origin, nothing traced. Masks made so are exactly those that tracked mask tensors
+    follow without a mode: every function on the way takes one of them."""
+    kind = key[0]
+    if kind == "root":
+        return True
+    if kind in ("object", "traced") or kind in _FACTORIES:
+        return False
+    return _args_root_derived(key[1]) and _args_root_derived(key[2])
+
+
+def _args_root_derived(a) -> bool:
+    if isinstance(a, tuple) and a:
+        if len(a) == 2 and a[0] == "T":
+            return root_derived(a[1])
+        if a[0] == "meta":
+            return False
+        return all(_args_root_derived(x) for x in a)
+    return True
+
+
 def _version(t: torch.Tensor):
     """The version counter; an inference tensor has none. Keys live for one forward, and the
     hook re-keys (or forgets) every tensor an in-place op writes, so None is safe there."""
@@ -347,10 +382,13 @@ def resolve_plan(
     if found is None:
         # Masks a forward derives live for that forward: caching them across calls buys nothing.
         cache = key is None or key[0] in ("root", "object")
+        if key is not None and key[0] == "root":
+            mask = scope.given[key[1]]
         found = build_plan(mask, batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, num_heads=heads,
                            convention=convention, float01_as_bool=as_bool, cache=cache)
         if pkey is not None:
             scope.plans[pkey] = found
+            scope.root_derived = scope.root_derived and root_derived(key)
     if found.read_as_bool:
         _float_mask_read_as_bool(policy.float_mask, mask)
     return found
