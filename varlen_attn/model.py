@@ -29,11 +29,7 @@ from .hook import VarlenHook, active, tracked
 from .op import refuse_unsupported_compile
 from .scope import MODE, TRACKED, Policy, Scope, current_scope
 
-try:
-    from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
-except ImportError:  # pragma: no cover - torch without dynamo
-    class _OptimizedModule:  # noqa: D101 - never an instance
-        pass
+from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
 
 
 class _State:
@@ -229,23 +225,20 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     roots = [(name, sub, t) for name, value in bound.arguments.items()
              for sub, t in (value.items() if isinstance(value, dict) else [(name, value)])
              if "mask" in str(sub) and isinstance(t, torch.Tensor)]
+    names = tuple(sub if sub == name else f"{name}.{sub}" for name, sub, _ in roots)
     # How this forward follows its masks: tracked mask tensors where an earlier forward with the
     # same mask inputs showed that every mask reaching attention derives from them alone (and
     # nothing is compiled inside: dynamo traces the mode, not tracked masks); else the mode,
     # which follows every torch function and learns the answer. Results never depend on it.
-    names = tuple(f"{name}.{sub}" for name, sub, _ in roots)
-    compiled = _has_compiled_module(model)
+    compiled = bool(roots) and _has_compiled_module(model)
     tracking = TRACKED if roots and state.root_derived.get(names) and not compiled else MODE
     scope = Scope(state.policy(), tracking)
-    for name, sub, given in roots:
+    for (name, sub, given), root in zip(roots, names):
         t = given
         if tracking == TRACKED:
             t = tracked(given)
-            if sub == name:
-                bound.arguments[name] = t
-            else:
-                bound.arguments[name] = {**bound.arguments[name], sub: t}
-        scope.add_root(sub if sub == name else f"{name}.{sub}", t, given)
+            bound.arguments[name] = t if sub == name else {**bound.arguments[name], sub: t}
+        scope.add_root(root, t, given)
     if state.restore_checkpoint_mask:
         scope.checkpoint_mask = scope.roots.get("attention_mask")
     _install_checkpointing(state)
@@ -253,7 +246,7 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     with active(scope):
         out = orig_forward(*bound.args, **bound.kwargs)
     if tracking == MODE and roots and not compiled:
-        state.root_derived[names] = scope.root_derived
+        state.root_derived[names] = scope.all_root_derived
     return out
 
 

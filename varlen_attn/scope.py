@@ -110,7 +110,7 @@ class Scope:
         self.tracking = tracking
         # Every mask attention got so far was made from the roots by deterministic functions
         # of them and constants alone (:func:`root_derived`): what tracked masks can follow.
-        self.root_derived = True
+        self.all_root_derived = True
         self.derived: dict[int, tuple] = {}
         self.plans: dict[tuple, VarlenPlan] = {}
         self.roots: dict[str, torch.Tensor] = {}
@@ -388,7 +388,7 @@ def resolve_plan(
                            convention=convention, float01_as_bool=as_bool, cache=cache)
         if pkey is not None:
             scope.plans[pkey] = found
-            scope.root_derived = scope.root_derived and root_derived(key)
+            scope.all_root_derived = scope.all_root_derived and root_derived(key)
     if found.read_as_bool:
         _float_mask_read_as_bool(policy.float_mask, mask)
     return found
