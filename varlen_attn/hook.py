@@ -18,6 +18,8 @@ calls, because dynamo cannot inline Python-level methods such as ``Tensor.unflat
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
@@ -135,6 +137,61 @@ def _hooked(scope: scopes.Scope) -> bool:
     from torch.overrides import _get_current_function_mode_stack
 
     return any(isinstance(m, VarlenHook) and m.scope is scope for m in _get_current_function_mode_stack())
+
+
+def plain(value, scope: scopes.Scope):
+    """``value`` (an argument, or a tuple, list or dict of them) with every tracked mask as a plain
+    tensor keyed as the tracked one was: what compiled code is given (dynamo cannot trace a
+    :class:`TrackedMask`). The same object where there is nothing to unwrap."""
+    if type(value) is TrackedMask:
+        with torch._C.DisableTorchFunctionSubclass():
+            out = value.as_subclass(torch.Tensor)  # an alias: same storage, autograd history
+            key = scope.key_of(value)
+            if key is not None:
+                scope.mark(out, key)
+        return out
+    if isinstance(value, (tuple, list)) and any(type(v) is TrackedMask for v in value):
+        return type(value)(plain(v, scope) for v in value)
+    if isinstance(value, dict) and any(type(v) is TrackedMask for v in value.values()):
+        return {k: plain(v, scope) for k, v in value.items()}
+    return value
+
+
+_boundary = threading.local()
+
+
+class hidden:  # noqa: N801 - a context manager
+    """The hooks on top of this thread's mode stack taken off for the block, around a compiled
+    module's call: it runs its graph without them (its attention was routed while tracing,
+    :class:`VarlenHook` entered inside the compiled code), so neither the compiled runtime's
+    Python nor dynamo's guards see them. :func:`hidden_scope` names ``scope`` meanwhile, for a
+    compiled module that runs eagerly after all (``torch.compiler.set_stance("force_eager")``)."""
+
+    def __init__(self, scope: scopes.Scope):
+        self.scope = scope
+
+    def __enter__(self):
+        from torch.overrides import _get_current_function_mode_stack
+
+        _boundary.__dict__.setdefault("scopes", []).append(self.scope)
+        self.popped = []
+        stack = _get_current_function_mode_stack()
+        while stack and isinstance(stack[-1], VarlenHook):
+            self.popped.append(torch._C._pop_torch_function_stack())
+            stack.pop()
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self.popped):
+            torch._C._push_on_torch_function_stack(mode)
+        _boundary.scopes.pop()
+        return False
+
+
+def hidden_scope() -> scopes.Scope | None:
+    """The scope whose hooks the innermost :class:`hidden` on this thread took off, or None."""
+    stack = getattr(_boundary, "scopes", None)
+    return stack[-1] if stack else None
 
 
 class active:  # noqa: N801 - a context manager

@@ -25,7 +25,7 @@ import torch
 
 from . import _stats
 from ._errors import InputTypeError, describe
-from .hook import VarlenHook, active, tracked
+from .hook import VarlenHook, active, hidden, hidden_scope, plain, tracked
 from .op import refuse_unsupported_compile
 from .scope import MODE, TRACKED, Policy, Scope, current_scope
 
@@ -45,6 +45,8 @@ class _State:
         self.saved_backends: list[tuple[object, object]] = []
         self.entry: _Forward | None = None
         self.checkpointed: list[torch.nn.Module] = []
+        # Compiled submodules given a _Boundary and a _BlockForward (undone by disable_varlen).
+        self.compiled: list[torch.nn.Module] = []
         # Per set of mask input names: whether every mask that reached attention in a forward
         # derived from those inputs alone (the forward may then track masks without the mode).
         self.root_derived: dict[tuple[str, ...], bool] = {}
@@ -178,6 +180,7 @@ def disable_varlen(model: torch.nn.Module) -> torch.nn.Module:
     for proc, backend in state.saved_backends:
         proc._attention_backend = backend
     _uninstall_checkpointing(state)
+    _uninstall_compiled(state)
     del model._varlen_state
     return model
 
@@ -227,11 +230,11 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
              if "mask" in str(sub) and isinstance(t, torch.Tensor)]
     names = tuple(sub if sub == name else f"{name}.{sub}" for name, sub, _ in roots)
     # How this forward follows its masks: tracked mask tensors where an earlier forward with the
-    # same mask inputs showed that every mask reaching attention derives from them alone (and
-    # nothing is compiled inside: dynamo traces the mode, not tracked masks); else the mode,
-    # which follows every torch function and learns the answer. Results never depend on it.
-    compiled = bool(roots) and _has_compiled_module(model)
-    tracking = TRACKED if roots and state.root_derived.get(names) and not compiled else MODE
+    # same mask inputs showed that every mask reaching attention derives from them alone; else
+    # the mode, which follows every torch function and learns the answer. Compiled submodules
+    # follow theirs inside their graphs either way (_Boundary). Results never depend on it.
+    _install_compiled(model, state)
+    tracking = TRACKED if roots and state.root_derived.get(names) else MODE
     scope = Scope(state.policy(), tracking)
     for (name, sub, given), root in zip(roots, names):
         t = given
@@ -245,23 +248,103 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     _stats.record_forward(tracking)
     with active(scope):
         out = orig_forward(*bound.args, **bound.kwargs)
-    if tracking == MODE and roots and not compiled:
+    if tracking == MODE and roots:
         state.root_derived[names] = scope.all_root_derived
     return out
 
 
-def _has_compiled_module(model: torch.nn.Module) -> bool:
-    """A submodule is compiled (``module.compile()``, as diffusers' regional compilation and
-    OneTrainer do, or replaced by ``torch.compile(module)``)."""
-    stack = [model]  # by hand, not model.modules(): a third of its time (1 ms for 3800 modules)
-    while stack:
+class _Boundary:
+    """The call of a compiled submodule while the model is enabled: ``module._compiled_call_impl``
+    (``module.compile()``, as diffusers' regional compilation and OneTrainer do) or an
+    ``OptimizedModule``'s ``forward`` (``torch.compile(module)``). Around the compiled call it
+    takes the forward's hooks off the mode stack and hands tracked masks in as plain tensors
+    keyed as they were (:func:`varlen_attn.hook.plain`): the graph routes its own attention
+    (:class:`_BlockForward`), so it runs with no Python of ours on its ops and is traced the
+    same in every forward (dynamo guards on the mode stack), whichever way the forward tracks."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, *args, **kwargs):
+        scope = None if torch.compiler.is_compiling() else current_scope()
+        if scope is None:
+            return self.inner(*args, **kwargs)
+        args = plain(args, scope)
+        kwargs = {k: plain(v, scope) for k, v in kwargs.items()}
+        with hidden(scope):
+            return self.inner(*args, **kwargs)
+
+
+class _BlockForward:
+    """``forward`` of a compiled submodule while the model is enabled. Traced by dynamo, it
+    enters the SDPA hook inside the compiled code (a scope holding the policy only: plans are
+    resolved at run time by the custom op, from the running forward's scope), so the graph
+    holds the routed attention and no hook is active while it runs. Run eagerly after all
+    (dynamo disabled, or ``set_stance("force_eager")``), it re-enters the forward's hook that
+    :class:`_Boundary` took off. ``inner``: the instance forward it replaced, or None."""
+
+    def __init__(self, module: torch.nn.Module, inner, state: _State):
+        self.module = module
+        self.inner = inner
+        self.state = state
+        # The class's function, read once here: dynamo cannot trace ``type(module).forward``.
+        self.func = type(module).forward
+
+    @property
+    def __signature__(self):
+        return inspect.signature(self._target())
+
+    def _target(self):
+        return self.inner if self.inner is not None else functools.partial(self.func, self.module)
+
+    def __call__(self, *args, **kwargs):
+        target = self._target()
+        if torch.compiler.is_compiling():
+            with VarlenHook(Scope(self.state.policy())):
+                return target(*args, **kwargs)
+        scope = hidden_scope()
+        if scope is None:
+            return target(*args, **kwargs)
+        with VarlenHook(scope):
+            return target(*args, **kwargs)
+
+
+def _install_compiled(model: torch.nn.Module, state: _State) -> None:
+    """Give every compiled submodule its :class:`_Boundary` and :class:`_BlockForward`, once
+    (a module compiled since the last forward gets them now)."""
+    stack = list(model.__dict__.get("_modules", {}).values())
+    while stack:  # by hand, not model.modules(): a third of its time (1 ms for 3800 modules)
         module = stack.pop()
         if module is None:
             continue
-        if module.__dict__.get("_compiled_call_impl") is not None or isinstance(module, _OptimizedModule):
-            return True
         stack.extend(module.__dict__.get("_modules", {}).values())
-    return False
+        if isinstance(module, _OptimizedModule):
+            if not isinstance(module.__dict__.get("forward"), _Boundary):
+                module.forward = _Boundary(module.__dict__["forward"])
+                state.compiled.append(module)
+            module = module._orig_mod
+        else:
+            call = module.__dict__.get("_compiled_call_impl")
+            if call is None:
+                continue
+            if not isinstance(call, _Boundary):
+                module._compiled_call_impl = _Boundary(call)
+                state.compiled.append(module)
+        if not isinstance(module.__dict__.get("forward"), _BlockForward):
+            module.forward = _BlockForward(module, module.__dict__.get("forward"), state)
+            state.compiled.append(module)
+
+
+def _uninstall_compiled(state: _State) -> None:
+    for module in state.compiled:
+        for name in ("forward", "_compiled_call_impl"):
+            wrapper = module.__dict__.get(name)
+            if isinstance(wrapper, (_Boundary, _BlockForward)):
+                if wrapper.inner is None:
+                    delattr(module, name)
+                else:
+                    setattr(module, name, wrapper.inner)
+    state.compiled = []
 
 
 def _traced_forward(model, state: _State, orig_forward, args, kwargs):

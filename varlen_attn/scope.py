@@ -278,13 +278,16 @@ def _trace_text(a, roots: list, like: bool):
 
 def root_derived(key) -> bool:
     """``key`` (of :meth:`Scope.derive`) names a mask made from the roots by deterministic
-    functions that take them, with constants: no factory (``torch.ones``, ``*_like``), no mask of
-    unknown origin, nothing traced. Masks made so are exactly those that tracked mask tensors
-    follow without a mode: every function on the way takes one of them."""
+    functions that take them, with constants: no factory (``torch.ones``, ``*_like``) and no mask
+    of unknown origin. Masks made so are exactly those that tracked mask tensors follow without a
+    mode: every function on the way takes one of them. A mask made inside compiled code counts
+    by the tensors its graph was given: the derivation in between was followed while tracing."""
     kind = key[0]
     if kind == "root":
         return True
-    if kind in ("object", "traced") or kind in _FACTORIES:
+    if kind == "traced":
+        return all(root_derived(k) for k in key[2])
+    if kind == "object" or kind in _FACTORIES:
         return False
     return _args_root_derived(key[1]) and _args_root_derived(key[2])
 
