@@ -205,6 +205,8 @@ def _fake_varlen(signature: str):
 def test_torch_builtin_adapter_both_signatures(monkeypatch, signature):
     fn, params, seen = _fake_varlen(signature)
     monkeypatch.setattr(torch_varlen, "_api", lambda: (fn, params))
+    # The public function's adapter (the kernel's own entry points run on CUDA only: GPU suite).
+    monkeypatch.setattr(torch_varlen, "_entry_points", lambda: None)
     b = kernels.BACKENDS["torch"]
     # installed() caches per process: set it here so it is undone after (torch < 2.10 has no API).
     monkeypatch.setitem(b.__dict__, "_installed", True)
