@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import logging
 import statistics
@@ -284,6 +285,10 @@ def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: b
         torch.cuda.reset_peak_memory_stats()
     graphs = graph_count() if compiled else 0
     for _ in range(reps):
+        # A full collection of the model's ~570k Python objects takes ~0.3 s and comes about
+        # every 10 steps, stock and varlen alike (benchmarks/NOTES.md): collect outside the
+        # timed step, so that no variant's median depends on where one lands.
+        gc.collect()
         C.sync(dev)
         with C.Stopwatch(dev) as sw:
             v.step(batch)
