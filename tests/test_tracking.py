@@ -120,6 +120,35 @@ def test_compiled_blocks_track_and_run_without_the_hook(name, monkeypatch):
     finally:
         va.disable_varlen(model)
         torch._dynamo.reset()
+    # disable_varlen takes the wrappers off again: the blocks' own compiled call and forward.
+    assert all("forward" not in b.__dict__ and type(b._compiled_call_impl).__name__ != "_Boundary"
+               for b in blocks)
+
+
+def test_blocks_replaced_by_torch_compile_are_routed_and_restored():
+    """``torch.compile(block)`` put in place of each block (an OptimizedModule child, not
+    ``block.compile()``): routed inside the graphs, tracked forwards, equal to stock; disabling
+    leaves the OptimizedModules as they were."""
+    model = tiny_chroma()
+    ref = step(model, chroma_inputs())
+    va.enable_varlen(model)
+    try:
+        for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+            for i in range(len(blocks)):
+                blocks[i] = torch.compile(blocks[i], backend="aot_eager", fullgraph=True)
+        for i in range(3):
+            va.reset_stats()
+            got = step(model, chroma_inputs())
+            st = va.stats()
+            assert st["forwards"] == {"mode" if i == 0 else "tracked": 1}, (i, st)
+            assert st["plan_builds"] == 1 and st["backends"].get("split_sdpa", 0) >= 4, (i, st)
+            got = (got[0], {n.replace("._orig_mod", ""): g for n, g in got[1].items()})
+            assert_model_close(got, ref, what=f"torch.compile(block) step {i}")
+    finally:
+        va.disable_varlen(model)
+        torch._dynamo.reset()
+    opt = model.transformer_blocks[0]
+    assert type(opt.__dict__["forward"]).__name__ != "_Boundary" and "forward" not in opt._orig_mod.__dict__
 
 
 def test_compiled_blocks_run_eagerly_are_still_routed():

@@ -319,8 +319,9 @@ def _install_compiled(model: torch.nn.Module, state: _State) -> None:
             continue
         stack.extend(module.__dict__.get("_modules", {}).values())
         if isinstance(module, _OptimizedModule):
-            if not isinstance(module.__dict__.get("forward"), _Boundary):
-                module.forward = _Boundary(module.__dict__["forward"])
+            call = module.__dict__.get("forward")
+            if call is not None and not isinstance(call, _Boundary):
+                module.forward = _Boundary(call)
                 state.compiled.append(module)
             module = module._orig_mod
         else:
