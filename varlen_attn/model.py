@@ -55,21 +55,34 @@ class _State:
         return Policy.of(self.backend, self.strict, self.float_mask, model=True)
 
 
-class _Forward:
-    """``model.forward`` while enabled: a plain callable object holding its module, so that
-    ``copy.deepcopy`` (EMA and teacher copies) rebinds it to the copy and ``torch.save`` pickles
-    it with the model. ``inner`` is the instance ``forward`` it replaced (another wrapper), or
-    None for the class's own. After :func:`disable_varlen` it only passes calls through, for
-    wrappers added around it later (accelerate's) that still hold it."""
+class _InstanceForward:
+    """A ``forward`` set on a module instance: a plain callable object holding its module, so
+    that ``copy.deepcopy`` (EMA and teacher copies) rebinds it to the copy and ``torch.save``
+    pickles it with the model. ``inner`` is the instance ``forward`` it replaced (another
+    wrapper), or None for the class's own."""
 
     def __init__(self, module: torch.nn.Module, inner):
         self.module = module
         self.inner = inner
-        self.active = True
+        # The class's function, read once here: dynamo cannot trace ``type(module).forward``.
+        self.func = type(module).forward
 
     @property
     def __signature__(self):  # inspect.signature(model.forward), as diffusers pipelines read it
-        return inspect.signature(self._target(self.module))
+        return inspect.signature(self._target())
+
+    def _target(self):
+        # A partial, not ``function.__get__``: dynamo before torch 2.10 cannot trace the latter.
+        return self.inner if self.inner is not None else functools.partial(self.func, self.module)
+
+
+class _Forward(_InstanceForward):
+    """``model.forward`` while enabled. After :func:`disable_varlen` it only passes calls
+    through, for wrappers added around it later (accelerate's) that still hold it."""
+
+    def __init__(self, module: torch.nn.Module, inner):
+        super().__init__(module, inner)
+        self.active = True
 
     @property
     def __wrapped__(self):
@@ -80,10 +93,6 @@ class _Forward:
         if self.inner is None:
             raise AttributeError("__wrapped__")
         return self.inner
-
-    def _target(self, module):
-        # A partial, not ``function.__get__``: dynamo before torch 2.10 cannot trace the latter.
-        return self.inner if self.inner is not None else functools.partial(type(module).forward, module)
 
     def __call__(self, *args, **kwargs):
         if args and isinstance(args[0], torch.nn.Module):
@@ -99,7 +108,7 @@ class _Forward:
 
     def _run(self, args, kwargs):
         module = self.module
-        target = self._target(module)
+        target = self._target()
         state = getattr(module, "_varlen_state", None)
         if not self.active or state is None:
             return target(*args, **kwargs)
@@ -275,7 +284,7 @@ class _Boundary:
             return self.inner(*args, **kwargs)
 
 
-class _BlockForward:
+class _BlockForward(_InstanceForward):
     """``forward`` of a compiled submodule while the model is enabled. Traced by dynamo, it
     enters the SDPA hook inside the compiled code (a scope holding the policy only: plans are
     resolved at run time by the custom op, from the running forward's scope), so the graph
@@ -284,18 +293,8 @@ class _BlockForward:
     :class:`_Boundary` took off. ``inner``: the instance forward it replaced, or None."""
 
     def __init__(self, module: torch.nn.Module, inner, state: _State):
-        self.module = module
-        self.inner = inner
+        super().__init__(module, inner)
         self.state = state
-        # The class's function, read once here: dynamo cannot trace ``type(module).forward``.
-        self.func = type(module).forward
-
-    @property
-    def __signature__(self):
-        return inspect.signature(self._target())
-
-    def _target(self):
-        return self.inner if self.inner is not None else functools.partial(self.func, self.module)
 
     def __call__(self, *args, **kwargs):
         target = self._target()
