@@ -40,14 +40,15 @@ def _sana_pixart(latent):
 
 
 # name -> (model, inputs with a NEW mask tensor per call, how its second forward tracks, plans per
-# forward). Qwen-Image joins its text mask with a torch.ones made in every layer, HunyuanVideo's
-# refiner writes its mask in place: masks the tracked tensors cannot see made, so the mode stays.
+# forward). Qwen-Image joins its text mask with a torch.ones made in every attention layer: tracked
+# masks plus the mode inside attention modules ("local"). HunyuanVideo's refiner writes its mask
+# in place: a mask the tracked tensors cannot see made, so the mode stays.
 MODELS = {
     "chroma": (tiny_chroma, lambda: chroma_inputs(), "tracked", 1),
     "flux": (flux_model, _qwen_flux("flux"), "tracked", 1),
     "sana": (sana_model, _sana_pixart(SANA_LATENT), "tracked", 1),
     "pixart": (pixart_model, _sana_pixart(PIXART_LATENT), "tracked", 1),
-    "qwen": (qwen_model, _qwen_flux("qwen"), "mode", 1),
+    "qwen": (qwen_model, _qwen_flux("qwen"), "local", 1),
     "hunyuan": (hunyuan_model, lambda: {**hunyuan_inputs(3), "encoder_attention_mask": hunyuan_text_mask([6, 3, 1])},
                 "mode", 2),
 }
@@ -79,8 +80,8 @@ def test_later_forwards_track_as_learned_and_equal_stock(name, checkpointing):
 def test_compiled_blocks_track_and_run_without_the_hook(name, monkeypatch):
     """Blocks compiled after tracked forwards: the compiled graphs route their own attention
     (their derivation, Qwen-Image's torch.ones included, was followed while tracing), so every
-    later forward tracks, runs no call through the hook (Chroma: none; Qwen-Image: the few eager
-    ops outside its blocks on the first forward only), builds one plan and equals stock."""
+    later forward tracks as learned eagerly, runs no call through the hook (Qwen-Image's attention
+    modules run inside the graphs), builds one plan and equals stock."""
     from varlen_attn import hook
 
     build, inputs, _, _ = MODELS[name]
@@ -107,7 +108,7 @@ def test_compiled_blocks_track_and_run_without_the_hook(name, monkeypatch):
             calls.clear()
             got = step(model, inputs())
             st = va.stats()
-            assert st["forwards"] == {"mode" if i == 0 and name == "qwen" else "tracked": 1}, (i, st)
+            assert st["forwards"] == {MODELS[name][2]: 1}, (i, st)
             assert st["plan_builds"] == 1 and st["fallbacks"] == {}, st
             assert st["backends"].get("split_sdpa", 0) >= len(blocks), st
             if i > 0:
@@ -202,3 +203,119 @@ def test_a_tracked_mask_outside_its_forward_is_a_plain_tensor():
     again = F.scaled_dot_product_attention(q, q, q, attn_mask=leaked & leaked)
     assert va.stats()["backends"] == {} and va.stats()["plan_builds"] == 0
     torch.testing.assert_close(again, stock, rtol=0, atol=0)
+
+
+# -- the mode inside attention modules only ("local") --------------------------------------------
+
+
+class _JoinAttention(torch.nn.Module):
+    """Attention as diffusers' modules are recognised (a ``processor``), over the text mask it is
+    given joined with all-True image keys: made here (``extra`` None, as Qwen-Image's processor
+    does) or handed in by its caller."""
+
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.processor = object()
+        self.qkv = torch.nn.Linear(dim, 3 * dim, dtype=torch.float64)
+        self.heads = heads
+
+    def forward(self, x, text_mask, extra=None):
+        b, s, _ = x.shape
+        if extra is None:
+            extra = torch.ones(b, s - text_mask.shape[1], dtype=torch.bool)
+        mask = torch.cat([text_mask, extra], 1)[:, None, None, :]
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
+
+
+class _JoinNet(torch.nn.Module):
+    """Layers of :class:`_JoinAttention`; ``outside`` names the layers whose all-True keys the
+    net makes itself, outside the attention module."""
+
+    def __init__(self, outside=(), layers=3, image=6):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_JoinAttention() for _ in range(layers))
+        self.outside, self.image = set(outside), image
+
+    def forward(self, x, attention_mask):
+        for i, layer in enumerate(self.layers):
+            extra = torch.ones(x.shape[0], self.image, dtype=torch.bool) if i in self.outside else None
+            x = x + layer(x, attention_mask, extra)
+        return x
+
+
+def _join_inputs():
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, 4 + 6, 16, generator=g, dtype=torch.float64, requires_grad=True)
+    return x, prefix_keep([4, 1, 0], 4)
+
+
+@pytest.mark.parametrize("outside, expected", [((), "local"), ((0, 1, 2), "mode"), ((1,), "mode")],
+                         ids=["inside", "outside", "both"])
+def test_factories_made_inside_attention_only_track_locally(outside, expected, monkeypatch):
+    """A mask joined with a factory's output inside attention modules only: later forwards track
+    their masks and pay the mode inside attention modules only ("local"); a factory output made
+    outside them as well (the same key) keeps the mode. Either way: one plan per forward, output
+    and input gradient equal to stock."""
+    from varlen_attn import hook, scope
+
+    torch.manual_seed(0)
+    model = _JoinNet(outside)
+    x, keep = _join_inputs()
+    ref = model(x, keep)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), x)
+    depths = []
+    original = hook.VarlenHook.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        depths.append(scope.current_scope().attention_depth)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(hook.VarlenHook, "__torch_function__", counted)
+    va.enable_varlen(model, backend="reference")
+    try:
+        for i in range(3):
+            va.reset_stats()
+            depths.clear()
+            got = model(x, keep.clone())
+            (grad,) = torch.autograd.grad(got.sum(), x)
+            st = va.stats()
+            assert st["forwards"] == {"mode" if i == 0 else expected: 1}, (i, st)
+            assert st["plan_builds"] == 1 and st["backends"] == {"reference": 3}, (i, st)
+            if i and expected == "local":
+                assert depths and min(depths) > 0, (i, len(depths))  # never outside attention
+            elif i:
+                assert min(depths) == 0, i
+            torch.testing.assert_close(got, ref)
+            torch.testing.assert_close(grad, ref_grad)
+    finally:
+        va.disable_varlen(model)
+    assert all("forward" not in layer.__dict__ for layer in model.layers)
+
+
+def test_qwen_pays_the_mode_inside_attention_only(monkeypatch):
+    """Qwen-Image's later forwards run the hook inside attention modules only: fewer calls than
+    the first (mode) forward, none outside attention."""
+    from varlen_attn import hook, scope
+
+    build, inputs, _, _ = MODELS["qwen"]
+    model = build()
+    depths = []
+    original = hook.VarlenHook.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        depths.append(scope.current_scope().attention_depth)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(hook.VarlenHook, "__torch_function__", counted)
+    va.enable_varlen(model)
+    try:
+        counts = []
+        for _ in range(2):
+            depths.clear()
+            step(model, inputs())
+            counts.append((len(depths), sum(d == 0 for d in depths)))
+    finally:
+        va.disable_varlen(model)
+    (mode_calls, mode_outside), (local_calls, local_outside) = counts
+    assert mode_outside > 0 and local_outside == 0 and 0 < local_calls < mode_calls, counts

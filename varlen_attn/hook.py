@@ -103,7 +103,15 @@ class VarlenHook(TorchFunctionMode):
             else:
                 scopes.trace_derive(func, args, kwargs, out)
             return out
-        return _track(self.scope, func, args, kwargs, False)
+        if self.scope.tracking == scopes.MODE:
+            return _track(self.scope, func, args, kwargs, False)
+        # Inside an attention module of a forward that tracks masks (model._AttentionForward):
+        # what the mode keys leaves as a tracked mask, and a tracked mask among the arguments is
+        # handled here, once, not again by its own __torch_function__.
+        if TrackedMask not in types:
+            return _track(self.scope, func, args, kwargs, True)
+        with torch._C.DisableTorchFunctionSubclass():
+            return _track(self.scope, func, args, kwargs, True)
 
 
 class TrackedMask(torch.Tensor):
@@ -119,7 +127,7 @@ class TrackedMask(torch.Tensor):
         kwargs = kwargs or {}
         scope = scopes.current_scope()
         with torch._C.DisableTorchFunctionSubclass():
-            if (scope is None or scope.tracking != scopes.TRACKED or torch.compiler.is_compiling()
+            if (scope is None or scope.tracking == scopes.MODE or torch.compiler.is_compiling()
                     or getattr(func, "__name__", "") == "__get__"):  # attributes: .shape, .dtype
                 return func(*args, **kwargs)
             if func is F.scaled_dot_product_attention:
@@ -208,7 +216,7 @@ class active:  # noqa: N801 - a context manager
         fresh = scopes.push(self.scope)
         # Not fresh: the forward (or recomputation) already entered it, with its hook when it
         # tracks by mode. A processor inside a forward that tracks masks needs the hook itself.
-        if self.with_mode and (fresh or (self.scope.tracking == scopes.TRACKED and not _hooked(self.scope))):
+        if self.with_mode and (fresh or (self.scope.tracking != scopes.MODE and not _hooked(self.scope))):
             self.mode = VarlenHook(self.scope)
             self.mode.__enter__()
         return self.scope

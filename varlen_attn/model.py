@@ -27,7 +27,7 @@ from . import _stats
 from ._errors import InputTypeError, describe
 from .hook import VarlenHook, active, hidden, hidden_scope, plain, tracked
 from .op import refuse_unsupported_compile
-from .scope import MODE, TRACKED, Policy, Scope, current_scope
+from .scope import LOCAL, MODE, Policy, Scope, current_scope
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
 
@@ -47,9 +47,11 @@ class _State:
         self.checkpointed: list[torch.nn.Module] = []
         # Compiled submodules given a _Boundary and a _BlockForward (undone by disable_varlen).
         self.compiled: list[torch.nn.Module] = []
-        # Per set of mask input names: whether every mask that reached attention in a forward
-        # derived from those inputs alone (the forward may then track masks without the mode).
-        self.root_derived: dict[tuple[str, ...], bool] = {}
+        # The forwards of the attention modules (those with a processor), while enabled.
+        self.attention: list[_AttentionForward] = []
+        # Per set of mask input names: how a forward with them follows its masks, as a mode
+        # forward learned it (scope.Scope.learned).
+        self.tracking: dict[tuple[str, ...], str] = {}
 
     def policy(self) -> Policy:
         return Policy.of(self.backend, self.strict, self.float_mask, model=True)
@@ -120,6 +122,43 @@ class _Forward(_InstanceForward):
         return _run_forward(module, state, target, args, kwargs)
 
 
+class _AttentionForward(_InstanceForward):
+    """``forward`` of an attention module (one with a diffusers ``processor``) while the model is
+    enabled. It tells the running forward's scope that attention is entered, so a forward under
+    the mode learns which factory outputs are made inside attention modules only
+    (:meth:`varlen_attn.scope.Scope.learned`), and in a forward that tracks :data:`LOCAL` it
+    runs the module under the hook: the mode is paid inside attention modules, not on the rest
+    of the forward. Traced by dynamo, or after :func:`disable_varlen`, it only passes calls on."""
+
+    def __init__(self, module: torch.nn.Module, inner):
+        super().__init__(module, inner)
+        self.active = True
+
+    def __call__(self, *args, **kwargs):
+        target = self._target()
+        scope = current_scope() if self.active and not torch.compiler.is_compiling() else None
+        if scope is None:
+            return target(*args, **kwargs)
+        scope.attention_depth += 1
+        try:
+            if scope.tracking == LOCAL:
+                with active(scope, mode=True):  # no second hook where one is active already
+                    return target(*args, **kwargs)
+            return target(*args, **kwargs)
+        finally:
+            scope.attention_depth -= 1
+
+
+def _remove_attention_forward(wrapper: _AttentionForward) -> None:
+    wrapper.active = False  # a wrapper added around it later keeps calling it: pass through
+    module = wrapper.module
+    if module.__dict__.get("forward") is wrapper:
+        if wrapper.inner is None:
+            del module.forward
+        else:
+            module.forward = wrapper.inner
+
+
 def enable_varlen(
     model: torch.nn.Module,
     backend: str | None = None,
@@ -159,9 +198,14 @@ def enable_varlen(
     # (e.g. flash_varlen) bypass SDPA and some are wrong for joint sequences. Use native while enabled.
     for module in model.modules():
         proc = getattr(module, "processor", None)
-        if proc is not None and getattr(proc, "_attention_backend", None) is not None:
+        if proc is None:
+            continue
+        if getattr(proc, "_attention_backend", None) is not None:
             state.saved_backends.append((proc, proc._attention_backend))
             proc._attention_backend = None
+        wrapper = _AttentionForward(module, module.__dict__.get("forward"))
+        module.forward = wrapper
+        state.attention.append(wrapper)
     state.checkpointed = _checkpointing_modules(model)
     _install_checkpointing(state)
     state.entry = _Forward(model, model.__dict__.get("forward"))
@@ -190,6 +234,8 @@ def disable_varlen(model: torch.nn.Module) -> torch.nn.Module:
         proc._attention_backend = backend
     _uninstall_checkpointing(state)
     _uninstall_compiled(state)
+    for wrapper in state.attention:
+        _remove_attention_forward(wrapper)
     del model._varlen_state
     return model
 
@@ -238,16 +284,17 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
              for sub, t in (value.items() if isinstance(value, dict) else [(name, value)])
              if "mask" in str(sub) and isinstance(t, torch.Tensor)]
     names = tuple(sub if sub == name else f"{name}.{sub}" for name, sub, _ in roots)
-    # How this forward follows its masks: tracked mask tensors where an earlier forward with the
-    # same mask inputs showed that every mask reaching attention derives from them alone; else
-    # the mode, which follows every torch function and learns the answer. Compiled submodules
-    # follow theirs inside their graphs either way (_Boundary). Results never depend on it.
+    # How this forward follows its masks: tracked mask tensors (with the mode inside attention
+    # modules, for LOCAL) where an earlier forward with the same mask inputs showed that they
+    # reach every mask that attention gets; else the mode, which follows every torch function
+    # and learns the answer. Compiled submodules follow theirs inside their graphs either way
+    # (_Boundary). Results never depend on it.
     _install_compiled(model, state)
-    tracking = TRACKED if roots and state.root_derived.get(names) else MODE
+    tracking = (state.tracking.get(names) if roots else None) or MODE
     scope = Scope(state.policy(), tracking)
     for (name, sub, given), root in zip(roots, names):
         t = given
-        if tracking == TRACKED:
+        if tracking != MODE:
             t = tracked(given)
             bound.arguments[name] = t if sub == name else {**bound.arguments[name], sub: t}
         scope.add_root(root, t, given)
@@ -258,7 +305,7 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     with active(scope):
         out = orig_forward(*bound.args, **bound.kwargs)
     if tracking == MODE and roots:
-        state.root_derived[names] = scope.all_root_derived
+        state.tracking[names] = scope.learned()
     return out
 
 
@@ -333,6 +380,11 @@ def _install_compiled(model: torch.nn.Module, state: _State) -> None:
         if not isinstance(module.__dict__.get("forward"), _BlockForward):
             module.forward = _BlockForward(module, module.__dict__.get("forward"), state)
             state.compiled.append(module)
+            # Compiled code routes its own attention, and dynamo guards on each instance's
+            # forward object: one _AttentionForward per block would recompile every block.
+            for sub in module.modules():
+                if isinstance(sub.__dict__.get("forward"), _AttentionForward):
+                    _remove_attention_forward(sub.__dict__["forward"])
 
 
 def _uninstall_compiled(state: _State) -> None:

@@ -38,9 +38,11 @@ logger = logging.getLogger("varlen_attn")
 
 FLOAT_POLICIES = ("bool", "bias", "error")
 
-# How a scope follows its masks: the mode over the whole forward (every torch function), or
-# tracked mask tensors (only the functions that take one): :mod:`varlen_attn.hook`.
-MODE, TRACKED = "mode", "tracked"
+# How a scope follows its masks (:mod:`varlen_attn.hook`): the mode over the whole forward (every
+# torch function); tracked mask tensors (only the functions that take one); or tracked mask
+# tensors and the mode inside attention modules only, where a mask may join a factory's output
+# (Qwen-Image's per-layer ``torch.ones``).
+MODE, TRACKED, LOCAL = "mode", "tracked", "local"
 
 
 @dataclass(frozen=True)
@@ -108,9 +110,11 @@ class Scope:
     def __init__(self, policy: Policy, tracking: str = MODE):
         self.policy = policy
         self.tracking = tracking
-        # Every mask attention got so far was made from the roots by deterministic functions
-        # of them and constants alone (:func:`root_derived`): what tracked masks can follow.
-        self.all_root_derived = True
+        # Attention modules entered and not left (model._AttentionForward), and the keys of the
+        # factory outputs made inside one / outside every one: what :meth:`learned` reads.
+        self.attention_depth = 0
+        self.factories_inside: set = set()
+        self.factories_outside: set = set()
         self.derived: dict[int, tuple] = {}
         self.plans: dict[tuple, VarlenPlan] = {}
         self.roots: dict[str, torch.Tensor] = {}
@@ -164,6 +168,17 @@ class Scope:
             return a
         raise _Unkeyable
 
+    def learned(self) -> str:
+        """How later forwards with the same mask inputs may follow their masks, from the plans
+        this forward built: :data:`TRACKED` where every mask was made from the roots alone
+        (:func:`root_derived`), :data:`LOCAL` where factory outputs joined them only inside
+        attention modules (the mode runs there), else :data:`MODE`."""
+        keys = [pkey[0] for pkey in self.plans]
+        if all(root_derived(k) for k in keys):
+            return TRACKED
+        inside = self.factories_inside - self.factories_outside
+        return LOCAL if all(root_derived(k, inside) for k in keys) else MODE
+
     def derive(self, func, args, kwargs):
         """Key of ``func(*args, **kwargs)`` if every tensor input is keyed, else None."""
         if func not in _LIKE:
@@ -179,10 +194,13 @@ class Scope:
             return None
         try:
             like = func in _LIKE
-            return (func, self._arg_key(tuple(args), like),
-                    tuple(sorted((k, self._arg_key(v, like)) for k, v in kwargs.items())))
+            key = (func, self._arg_key(tuple(args), like),
+                   tuple(sorted((k, self._arg_key(v, like)) for k, v in kwargs.items())))
         except _Unkeyable:
             return None
+        if func in _FACTORIES:
+            (self.factories_inside if self.attention_depth else self.factories_outside).add(key)
+        return key
 
 
 # -- derivations traced inside compiled code ---------------------------------------------------
@@ -276,29 +294,32 @@ def _trace_text(a, roots: list, like: bool):
     return None
 
 
-def root_derived(key) -> bool:
+def root_derived(key, factories=frozenset()) -> bool:
     """``key`` (of :meth:`Scope.derive`) names a mask made from the roots by deterministic
-    functions that take them, with constants: no factory (``torch.ones``, ``*_like``) and no mask
-    of unknown origin. Masks made so are exactly those that tracked mask tensors follow without a
-    mode: every function on the way takes one of them. A mask made inside compiled code counts
-    by the tensors its graph was given: the derivation in between was followed while tracing."""
+    functions that take them, with constants: no factory (``torch.ones``, ``*_like``) other than
+    those keyed in ``factories``, and no mask of unknown origin. Masks made so are exactly those
+    that tracked mask tensors follow without a mode (every function on the way takes one of them),
+    with ``factories`` made where the mode runs. A mask made inside compiled code counts by the
+    tensors its graph was given: the derivation in between was followed while tracing."""
     kind = key[0]
     if kind == "root":
         return True
     if kind == "traced":
-        return all(root_derived(k) for k in key[2])
-    if kind == "object" or kind in _FACTORIES:
+        return all(root_derived(k, factories) for k in key[2])
+    if kind in _FACTORIES:
+        return key in factories
+    if kind == "object":
         return False
-    return _args_root_derived(key[1]) and _args_root_derived(key[2])
+    return _args_root_derived(key[1], factories) and _args_root_derived(key[2], factories)
 
 
-def _args_root_derived(a) -> bool:
+def _args_root_derived(a, factories) -> bool:
     if isinstance(a, tuple) and a:
         if len(a) == 2 and a[0] == "T":
-            return root_derived(a[1])
+            return root_derived(a[1], factories)
         if a[0] == "meta":
             return False
-        return all(_args_root_derived(x) for x in a)
+        return all(_args_root_derived(x, factories) for x in a)
     return True
 
 
@@ -391,7 +412,6 @@ def resolve_plan(
                            convention=convention, float01_as_bool=as_bool, cache=cache)
         if pkey is not None:
             scope.plans[pkey] = found
-            scope.all_root_derived = scope.all_root_derived and root_derived(key)
     if found.read_as_bool:
         _float_mask_read_as_bool(policy.float_mask, mask)
     return found
