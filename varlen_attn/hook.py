@@ -9,7 +9,9 @@ It does two things, on the thread that runs the forward only:
 2. Eagerly, it records how tensors are derived from the scope's mask inputs
    (:meth:`varlen_attn.scope.Scope.derive`), so that masks re-derived in every block share one
    plan. That is Python on every torch function the forward calls: the price of the mode
-   (docs/design.md measures it).
+   (docs/design.md measures it). Later forwards pay it less: tracked masks (:class:`TrackedMask`)
+   where only functions taking a mask matter, and the hook inside attention modules only
+   (``masks_only``) where a mask is also joined with a factory's output there (Qwen-Image).
 
 Under ``torch.compile`` the mode is traced by dynamo: it records no derivations (that would
 break the graph; the custom op finds plans at run time) and re-issues Tensor methods as method
@@ -80,9 +82,15 @@ def _mask_of(args, kwargs):
 
 
 class VarlenHook(TorchFunctionMode):
-    def __init__(self, scope: scopes.Scope):
+    """``masks_only``: inside an attention module of a forward that tracks masks
+    (``model._AttentionForward``), where every keyed tensor is a tracked mask: only calls that
+    take one, and factories, are tracked. Elsewhere every call is (a compiled block run eagerly
+    gets its masks as plain keyed tensors, ``plain``)."""
+
+    def __init__(self, scope: scopes.Scope, masks_only: bool = False):
         super().__init__()
         self.scope = scope
+        self.masks_only = masks_only
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -105,12 +113,19 @@ class VarlenHook(TorchFunctionMode):
             return out
         if self.scope.tracking == scopes.MODE:
             return _track(self.scope, func, args, kwargs, False)
-        # Inside an attention module of a forward that tracks masks (model._AttentionForward):
-        # what the mode keys leaves as a tracked mask, and a tracked mask among the arguments is
-        # handled here, once, not again by its own __torch_function__.
+        # A forward that tracks masks: what the hook keys leaves as a tracked mask.
         if TrackedMask not in types:
+            if self.masks_only:
+                # A call that takes no tracked mask and is no factory makes or writes no keyed
+                # tensor here: it just runs.
+                try:
+                    factory = func in scopes.FACTORIES
+                except TypeError:  # an unhashable callable
+                    factory = False
+                if not factory:
+                    return func(*args, **kwargs)
             return _track(self.scope, func, args, kwargs, True)
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunctionSubclass():  # handled here, once, not by the subclass
             return _track(self.scope, func, args, kwargs, True)
 
 
@@ -140,7 +155,7 @@ def tracked(t: torch.Tensor) -> torch.Tensor:
     return t if type(t) is TrackedMask else t.as_subclass(TrackedMask)
 
 
-def _hooked(scope: scopes.Scope) -> bool:
+def hooked(scope: scopes.Scope) -> bool:
     """A hook of ``scope`` is active on this thread."""
     from torch.overrides import _get_current_function_mode_stack
 
@@ -216,7 +231,7 @@ class active:  # noqa: N801 - a context manager
         fresh = scopes.push(self.scope)
         # Not fresh: the forward (or recomputation) already entered it, with its hook when it
         # tracks by mode. A processor inside a forward that tracks masks needs the hook itself.
-        if self.with_mode and (fresh or (self.scope.tracking != scopes.MODE and not _hooked(self.scope))):
+        if self.with_mode and (fresh or (self.scope.tracking != scopes.MODE and not hooked(self.scope))):
             self.mode = VarlenHook(self.scope)
             self.mode.__enter__()
         return self.scope

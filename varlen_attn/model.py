@@ -25,7 +25,7 @@ import torch
 
 from . import _stats
 from ._errors import InputTypeError, describe
-from .hook import VarlenHook, active, hidden, hidden_scope, plain, tracked
+from .hook import VarlenHook, active, hidden, hidden_scope, hooked, plain, tracked
 from .op import refuse_unsupported_compile
 from .scope import LOCAL, MODE, Policy, Scope, current_scope
 
@@ -141,8 +141,8 @@ class _AttentionForward(_InstanceForward):
             return target(*args, **kwargs)
         scope.attention_depth += 1
         try:
-            if scope.tracking == LOCAL:
-                with active(scope, mode=True):  # no second hook where one is active already
+            if scope.tracking == LOCAL and not hooked(scope):  # not a second hook over one
+                with VarlenHook(scope, masks_only=True):
                     return target(*args, **kwargs)
             return target(*args, **kwargs)
         finally:

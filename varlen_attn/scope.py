@@ -80,7 +80,7 @@ class Policy:
 
 # -- the scope of one forward ----------------------------------------------------------------
 
-_FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.arange, torch.eye, torch.tensor,
+FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.arange, torch.eye, torch.tensor,
                         torch.ones_like, torch.zeros_like, torch.full_like})
 _LIKE = frozenset({torch.ones_like, torch.zeros_like, torch.full_like})
 # Functions whose output is not determined by their inputs: never keyed.
@@ -188,7 +188,7 @@ class Scope:
                 if isinstance(a, torch.Tensor) and id(a) not in derived:
                     return None
         has_tensor = any(isinstance(a, torch.Tensor) for a in _flat(args, kwargs))
-        if not has_tensor and func not in _FACTORIES:
+        if not has_tensor and func not in FACTORIES:
             return None
         if _random(getattr(func, "__name__", "")):
             return None
@@ -198,7 +198,7 @@ class Scope:
                    tuple(sorted((k, self._arg_key(v, like)) for k, v in kwargs.items())))
         except _Unkeyable:
             return None
-        if func in _FACTORIES:
+        if func in FACTORIES:
             (self.factories_inside if self.attention_depth else self.factories_outside).add(key)
         return key
 
@@ -244,7 +244,7 @@ def trace_derive(func, args, kwargs, out) -> None:
             has_tensor = True
             if not (hasattr(a, TRACED) or getattr(a, KEYED, False)):
                 return
-    if has_tensor or func in _FACTORIES:
+    if has_tensor or func in FACTORIES:
         setattr(out, TRACED, (name, func in _LIKE, tuple(args), tuple(sorted(kwargs.items()))))
 
 
@@ -306,7 +306,7 @@ def root_derived(key, factories=frozenset()) -> bool:
         return True
     if kind == "traced":
         return all(root_derived(k, factories) for k in key[2])
-    if kind in _FACTORIES:
+    if kind in FACTORIES:
         return key in factories
     if kind == "object":
         return False
