@@ -244,6 +244,21 @@ class _JoinNet(torch.nn.Module):
         return x
 
 
+def _hook_depths(monkeypatch) -> list:
+    """The list that every call through the hook appends its scope's attention depth to."""
+    from varlen_attn import hook, scope
+
+    depths = []
+    original = hook.VarlenHook.__torch_function__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        depths.append(scope.current_scope().attention_depth)
+        return original(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(hook.VarlenHook, "__torch_function__", counted)
+    return depths
+
+
 def _join_inputs():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 4 + 6, 16, generator=g, dtype=torch.float64, requires_grad=True)
@@ -257,21 +272,12 @@ def test_factories_made_inside_attention_only_track_locally(outside, expected, m
     their masks and pay the mode inside attention modules only ("local"); a factory output made
     outside them as well (the same key) keeps the mode. Either way: one plan per forward, output
     and input gradient equal to stock."""
-    from varlen_attn import hook, scope
-
     torch.manual_seed(0)
     model = _JoinNet(outside)
     x, keep = _join_inputs()
     ref = model(x, keep)
     (ref_grad,) = torch.autograd.grad(ref.sum(), x)
-    depths = []
-    original = hook.VarlenHook.__torch_function__
-
-    def counted(self, func, types, args=(), kwargs=None):
-        depths.append(scope.current_scope().attention_depth)
-        return original(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(hook.VarlenHook, "__torch_function__", counted)
+    depths = _hook_depths(monkeypatch)
     va.enable_varlen(model, backend="reference")
     try:
         for i in range(3):
@@ -296,18 +302,9 @@ def test_factories_made_inside_attention_only_track_locally(outside, expected, m
 def test_qwen_pays_the_mode_inside_attention_only(monkeypatch):
     """Qwen-Image's later forwards run the hook inside attention modules only: fewer calls than
     the first (mode) forward, none outside attention."""
-    from varlen_attn import hook, scope
-
     build, inputs, _, _ = MODELS["qwen"]
     model = build()
-    depths = []
-    original = hook.VarlenHook.__torch_function__
-
-    def counted(self, func, types, args=(), kwargs=None):
-        depths.append(scope.current_scope().attention_depth)
-        return original(self, func, types, args, kwargs)
-
-    monkeypatch.setattr(hook.VarlenHook, "__torch_function__", counted)
+    depths = _hook_depths(monkeypatch)
     va.enable_varlen(model)
     try:
         counts = []
