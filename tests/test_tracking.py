@@ -316,3 +316,89 @@ def test_qwen_pays_the_mode_inside_attention_only(monkeypatch):
         va.disable_varlen(model)
     (mode_calls, mode_outside), (local_calls, local_outside) = counts
     assert mode_outside > 0 and local_outside == 0 and 0 < local_calls < mode_calls, counts
+
+
+def test_an_attention_call_unseen_by_local_tracking_is_reported_and_relearned(caplog):
+    """An attention module whose forward was put back after enabling (a hook registry removing
+    its wrapper) is not seen by local tracking: its call runs stock SDPA (equal results). The
+    forward says so and the next one relearns under the mode, routing every call again."""
+    torch.manual_seed(0)
+    model = _JoinNet()
+    x, keep = _join_inputs()
+    ref = model(x, keep)
+    va.enable_varlen(model, backend="reference")
+    try:
+        model(x, keep.clone())
+        del model.layers[1].forward  # the class's forward again: no _AttentionForward
+        va.reset_stats()
+        with caplog.at_level("WARNING", logger="varlen_attn"):
+            got = model(x, keep.clone())
+        assert va.stats()["forwards"] == {"local": 1} and va.stats()["backends"] == {"reference": 2}
+        assert "2 masked attention call(s)" in caplog.text and "ran stock SDPA" in caplog.text
+        torch.testing.assert_close(got, ref)
+        va.reset_stats()
+        torch.testing.assert_close(model(x, keep.clone()), ref)
+        assert va.stats()["forwards"] == {"mode": 1} and va.stats()["backends"] == {"reference": 3}
+    finally:
+        va.disable_varlen(model)
+
+
+class _WritesItsMask(_JoinAttention):
+    """Attention twice, the joined mask written in place in between."""
+
+    def forward(self, x, text_mask, extra=None):
+        if extra is None:
+            extra = torch.ones(x.shape[0], x.shape[1] - text_mask.shape[1], dtype=torch.bool)
+        mask = torch.cat([text_mask, extra], 1)[:, None, None, :]
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        first = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        mask[..., -1] = False
+        return (first + F.scaled_dot_product_attention(q, k, v, attn_mask=mask)).transpose(1, 2).flatten(2)
+
+
+def test_a_mask_written_in_place_inside_attention_gets_a_new_plan_under_inference_mode():
+    """Under local tracking a mask of unknown derivation (the image keys made outside attention,
+    after the tracking was learned) is keyed by object at its first attention call; written in
+    place (no version counter under inference_mode), the second call must not reuse its plan."""
+    torch.manual_seed(0)
+    model = _JoinNet(layers=1)
+    model.layers[0] = _WritesItsMask()
+    x, keep = _join_inputs()
+    with torch.inference_mode():
+        x = x.detach().clone()
+        model.outside = {0}
+        ref = model(x, keep)
+        model.outside = set()
+        va.enable_varlen(model, backend="reference")
+        try:
+            model(x, keep.clone())
+            model(x, keep.clone())
+            model.outside = {0}
+            va.reset_stats()
+            got = model(x, keep.clone())
+            assert va.stats()["forwards"] == {"local": 1} and va.stats()["plan_builds"] == 2
+        finally:
+            va.disable_varlen(model)
+    torch.testing.assert_close(got, ref)
+
+
+def test_a_model_pickled_enabled_by_the_previous_release_runs_and_disables():
+    """Its state has the previous release's fields (no attention forwards, no learned tracking
+    by that name): it loads, runs routed, learns again and disables."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = _JoinNet()
+    x, keep = _join_inputs()
+    ref = model(x, keep)
+    va.enable_varlen(model, backend="reference")
+    state = model._varlen_state
+    del state.tracking, state.attention
+    state.root_derived = {}
+    loaded = pickle.loads(pickle.dumps(model))
+    for i in range(2):
+        va.reset_stats()
+        torch.testing.assert_close(loaded(x, keep.clone()), ref)
+        assert va.stats()["backends"] == {"reference": 3}, (i, va.stats())
+    va.disable_varlen(loaded)
+    assert not hasattr(loaded, "_varlen_state")

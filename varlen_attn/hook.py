@@ -70,7 +70,10 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     if scopes.keyable_output(out):
         key = scope.derive(func, args, kwargs)
         if key is not None:
-            if tracked and type(out) is not TrackedMask:
+            # A factory's output becomes a tracked mask only when it is a bool mask: an index or
+            # position tensor (``torch.arange``) a module keeps must not stay a subclass.
+            if tracked and type(out) is not TrackedMask and (
+                    out.dtype == torch.bool or not scopes.is_factory(func)):
                 out = out.as_subclass(TrackedMask)
             scope.mark(out, key)
     return out
@@ -115,15 +118,12 @@ class VarlenHook(TorchFunctionMode):
             return _track(self.scope, func, args, kwargs, False)
         # A forward that tracks masks: what the hook keys leaves as a tracked mask.
         if TrackedMask not in types:
-            if self.masks_only:
-                # A call that takes no tracked mask and is no factory makes or writes no keyed
-                # tensor here: it just runs.
-                try:
-                    factory = func in scopes.FACTORIES
-                except TypeError:  # an unhashable callable
-                    factory = False
-                if not factory:
-                    return func(*args, **kwargs)
+            # Inside attention modules (masks_only) keyed tensors are tracked masks, except masks
+            # keyed by object at their first attention call and plain aliases (``plain``): a call
+            # that takes no tracked mask, is no factory and writes no keyed tensor just runs.
+            if self.masks_only and not scopes.is_factory(func) and not (
+                    args and _in_place(func) and id(args[0]) in self.scope.derived):
+                return func(*args, **kwargs)
             return _track(self.scope, func, args, kwargs, True)
         with torch._C.DisableTorchFunctionSubclass():  # handled here, once, not by the subclass
             return _track(self.scope, func, args, kwargs, True)

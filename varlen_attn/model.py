@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 
 import torch
 
@@ -30,6 +31,8 @@ from .op import refuse_unsupported_compile
 from .scope import LOCAL, MODE, Policy, Scope, current_scope
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
+
+logger = logging.getLogger("varlen_attn")
 
 
 class _State:
@@ -50,8 +53,14 @@ class _State:
         # The forwards of the attention modules (those with a processor), while enabled.
         self.attention: list[_AttentionForward] = []
         # Per set of mask input names: how a forward with them follows its masks, as a mode
-        # forward learned it (scope.Scope.learned).
-        self.tracking: dict[tuple[str, ...], str] = {}
+        # forward learned it (scope.Scope.learned), and how many masked attention calls it saw.
+        self.tracking: dict[tuple[str, ...], tuple[str, int]] = {}
+
+    def __setstate__(self, state: dict) -> None:
+        # A model pickled enabled by an earlier release: what it lacks starts empty (its forwards
+        # learn again under the mode).
+        state.pop("root_derived", None)
+        self.__dict__.update({"tracking": {}, "attention": [], "compiled": [], **state})
 
     def policy(self) -> Policy:
         return Policy.of(self.backend, self.strict, self.float_mask, model=True)
@@ -61,11 +70,13 @@ class _InstanceForward:
     """A ``forward`` set on a module instance: a plain callable object holding its module, so
     that ``copy.deepcopy`` (EMA and teacher copies) rebinds it to the copy and ``torch.save``
     pickles it with the model. ``inner`` is the instance ``forward`` it replaced (another
-    wrapper), or None for the class's own."""
+    wrapper), or None for the class's own. ``active`` False: it only passes calls on (taken off
+    while a wrapper added around it later still holds it)."""
 
     def __init__(self, module: torch.nn.Module, inner):
         self.module = module
         self.inner = inner
+        self.active = True
         # The class's function, read once here: dynamo cannot trace ``type(module).forward``.
         self.func = type(module).forward
 
@@ -81,10 +92,6 @@ class _InstanceForward:
 class _Forward(_InstanceForward):
     """``model.forward`` while enabled. After :func:`disable_varlen` it only passes calls
     through, for wrappers added around it later (accelerate's) that still hold it."""
-
-    def __init__(self, module: torch.nn.Module, inner):
-        super().__init__(module, inner)
-        self.active = True
 
     @property
     def __wrapped__(self):
@@ -129,10 +136,6 @@ class _AttentionForward(_InstanceForward):
     (:meth:`varlen_attn.scope.Scope.learned`), and in a forward that tracks :data:`LOCAL` it
     runs the module under the hook: the mode is paid inside attention modules, not on the rest
     of the forward. Traced by dynamo, or after :func:`disable_varlen`, it only passes calls on."""
-
-    def __init__(self, module: torch.nn.Module, inner):
-        super().__init__(module, inner)
-        self.active = True
 
     def __call__(self, *args, **kwargs):
         target = self._target()
@@ -290,7 +293,7 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     # and learns the answer. Compiled submodules follow theirs inside their graphs either way
     # (_Boundary). Results never depend on it.
     _install_compiled(model, state)
-    tracking = (state.tracking.get(names) if roots else None) or MODE
+    tracking, calls = (state.tracking.get(names) if roots else None) or (MODE, 0)
     scope = Scope(state.policy(), tracking)
     for (name, sub, given), root in zip(roots, names):
         t = given
@@ -305,7 +308,18 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     with active(scope):
         out = orig_forward(*bound.args, **bound.kwargs)
     if tracking == MODE and roots:
-        state.tracking[names] = scope.learned()
+        learned = scope.learned()
+        if learned is not None:
+            state.tracking[names] = (learned, scope.masked_calls)
+    elif scope.masked_calls < calls:
+        # Fewer masked attention calls reached varlen_attn than in the forward this tracking was
+        # learned from: some ran stock SDPA unseen (an attention module's forward replaced after
+        # enabling, or mask code that changed). Say so, and learn again at the next forward.
+        state.tracking.pop(names, None)
+        logger.warning(
+            "varlen_attn: %d masked attention call(s) reached varlen_attn in this forward, %d in the "
+            "forward its mask tracking (%s) was learned from; the others ran stock SDPA. The next "
+            "forward follows its masks under the mode again.", scope.masked_calls, calls, tracking)
     return out
 
 
@@ -378,13 +392,13 @@ def _install_compiled(model: torch.nn.Module, state: _State) -> None:
                 module._compiled_call_impl = _Boundary(call)
                 state.compiled.append(module)
         if not isinstance(module.__dict__.get("forward"), _BlockForward):
-            module.forward = _BlockForward(module, module.__dict__.get("forward"), state)
-            state.compiled.append(module)
             # Compiled code routes its own attention, and dynamo guards on each instance's
             # forward object: one _AttentionForward per block would recompile every block.
             for sub in module.modules():
                 if isinstance(sub.__dict__.get("forward"), _AttentionForward):
                     _remove_attention_forward(sub.__dict__["forward"])
+            module.forward = _BlockForward(module, module.__dict__.get("forward"), state)
+            state.compiled.append(module)
 
 
 def _uninstall_compiled(state: _State) -> None:

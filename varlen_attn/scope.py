@@ -92,6 +92,14 @@ class _Unkeyable(Exception):
     pass
 
 
+def is_factory(func) -> bool:
+    """``func`` makes a tensor from constants and shapes alone (``torch.ones``, ``*_like``, ...)."""
+    try:
+        return func in FACTORIES
+    except TypeError:  # an unhashable callable
+        return False
+
+
 def _random(name: str) -> bool:
     """A function of this name makes an output its inputs do not determine: never keyed."""
     return any(word in name for word in _NONDETERMINISTIC)
@@ -115,6 +123,9 @@ class Scope:
         self.attention_depth = 0
         self.factories_inside: set = set()
         self.factories_outside: set = set()
+        # Masked attention calls that resolved a plan in this scope (model._run_forward compares
+        # a tracked forward's count with the mode forward's it learned from).
+        self.masked_calls = 0
         self.derived: dict[int, tuple] = {}
         self.plans: dict[tuple, VarlenPlan] = {}
         self.roots: dict[str, torch.Tensor] = {}
@@ -168,12 +179,15 @@ class Scope:
             return a
         raise _Unkeyable
 
-    def learned(self) -> str:
+    def learned(self) -> str | None:
         """How later forwards with the same mask inputs may follow their masks, from the plans
         this forward built: :data:`TRACKED` where every mask was made from the roots alone
         (:func:`root_derived`), :data:`LOCAL` where factory outputs joined them only inside
-        attention modules (the mode runs there), else :data:`MODE`."""
+        attention modules (the mode runs there), else :data:`MODE`; None where no masked
+        attention ran (nothing learned)."""
         keys = [pkey[0] for pkey in self.plans]
+        if not keys:
+            return None
         if all(root_derived(k) for k in keys):
             return TRACKED
         inside = self.factories_inside - self.factories_outside
@@ -181,24 +195,25 @@ class Scope:
 
     def derive(self, func, args, kwargs):
         """Key of ``func(*args, **kwargs)`` if every tensor input is keyed, else None."""
-        if func not in _LIKE:
+        factory = is_factory(func)
+        like = factory and func in _LIKE
+        if not like:
             # The common case, an activation among the inputs, ends here: no exception, no walk.
             derived = self.derived
             for a in args:
                 if isinstance(a, torch.Tensor) and id(a) not in derived:
                     return None
         has_tensor = any(isinstance(a, torch.Tensor) for a in _flat(args, kwargs))
-        if not has_tensor and func not in FACTORIES:
+        if not has_tensor and not factory:
             return None
         if _random(getattr(func, "__name__", "")):
             return None
         try:
-            like = func in _LIKE
             key = (func, self._arg_key(tuple(args), like),
                    tuple(sorted((k, self._arg_key(v, like)) for k, v in kwargs.items())))
         except _Unkeyable:
             return None
-        if func in FACTORIES:
+        if factory:
             (self.factories_inside if self.attention_depth else self.factories_outside).add(key)
         return key
 
@@ -244,7 +259,7 @@ def trace_derive(func, args, kwargs, out) -> None:
             has_tensor = True
             if not (hasattr(a, TRACED) or getattr(a, KEYED, False)):
                 return
-    if has_tensor or func in FACTORIES:
+    if has_tensor or is_factory(func):
         setattr(out, TRACED, (name, func in _LIKE, tuple(args), tuple(sorted(kwargs.items()))))
 
 
@@ -306,7 +321,7 @@ def root_derived(key, factories=frozenset()) -> bool:
         return True
     if kind == "traced":
         return all(root_derived(k, factories) for k in key[2])
-    if kind in FACTORIES:
+    if is_factory(kind):
         return key in factories
     if kind == "object":
         return False
@@ -392,6 +407,8 @@ def resolve_plan(
         return plan
     if mask is None:
         return None if policy.unmasked_is_sdpa else full_plan(batch, seqlen_q, seqlen_k, device)
+    if scope is not None:
+        scope.masked_calls += 1
     as_bool = policy.float_mask != "bias"
     key = None
     if scope is not None:
