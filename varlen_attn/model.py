@@ -152,14 +152,20 @@ class _AttentionForward(_InstanceForward):
             scope.attention_depth -= 1
 
 
+def _put_back(module: torch.nn.Module, name: str, wrapper) -> None:
+    """Give ``module.<name>`` back what ``wrapper`` replaced (its ``inner``; None: the class's
+    own), where the attribute still is ``wrapper``, or a method bound to it."""
+    current = module.__dict__.get(name)
+    if current is wrapper or getattr(current, "__func__", None) is wrapper:
+        if wrapper.inner is None:
+            delattr(module, name)
+        else:
+            setattr(module, name, wrapper.inner)
+
+
 def _remove_attention_forward(wrapper: _AttentionForward) -> None:
     wrapper.active = False  # a wrapper added around it later keeps calling it: pass through
-    module = wrapper.module
-    if module.__dict__.get("forward") is wrapper:
-        if wrapper.inner is None:
-            del module.forward
-        else:
-            module.forward = wrapper.inner
+    _put_back(wrapper.module, "forward", wrapper)
 
 
 def enable_varlen(
@@ -225,14 +231,8 @@ def disable_varlen(model: torch.nn.Module) -> torch.nn.Module:
     state = getattr(model, "_varlen_state", None)
     if state is None:
         return model
-    entry = state.entry
-    entry.active = False
-    current = model.__dict__.get("forward")
-    if current is entry or getattr(current, "__func__", None) is entry:
-        if entry.inner is not None:
-            model.forward = entry.inner
-        else:
-            del model.forward
+    state.entry.active = False
+    _put_back(model, "forward", state.entry)
     for proc, backend in state.saved_backends:
         proc._attention_backend = backend
     _uninstall_checkpointing(state)
@@ -406,10 +406,7 @@ def _uninstall_compiled(state: _State) -> None:
         for name in ("forward", "_compiled_call_impl"):
             wrapper = module.__dict__.get(name)
             if isinstance(wrapper, (_Boundary, _BlockForward)):
-                if wrapper.inner is None:
-                    delattr(module, name)
-                else:
-                    setattr(module, name, wrapper.inner)
+                _put_back(module, name, wrapper)
     state.compiled = []
 
 

@@ -80,8 +80,8 @@ class Policy:
 
 # -- the scope of one forward ----------------------------------------------------------------
 
-FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.arange, torch.eye, torch.tensor,
-                        torch.ones_like, torch.zeros_like, torch.full_like})
+_FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.arange, torch.eye, torch.tensor,
+                         torch.ones_like, torch.zeros_like, torch.full_like})
 _LIKE = frozenset({torch.ones_like, torch.zeros_like, torch.full_like})
 # Functions whose output is not determined by their inputs: never keyed.
 _NONDETERMINISTIC = ("rand", "dropout", "bernoulli", "multinomial", "normal", "uniform", "exponential",
@@ -95,7 +95,7 @@ class _Unkeyable(Exception):
 def is_factory(func) -> bool:
     """``func`` makes a tensor from constants and shapes alone (``torch.ones``, ``*_like``, ...)."""
     try:
-        return func in FACTORIES
+        return func in _FACTORIES
     except TypeError:  # an unhashable callable
         return False
 
