@@ -93,7 +93,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--checkpointing", choices=("on", "off"), default="on")
     ap.add_argument("--compile", choices=("none", "blocks"), default="none")
     ap.add_argument("--compile-mode", default=None, choices=(None, "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
-                    help="torch.compile mode of the blocks (reduce-overhead: CUDA graphs around the attention op)")
+                    help="torch.compile mode of the blocks (reduce-overhead: CUDA graphs)")
     ap.add_argument("--compile-backend", default=None,
                     help="torch.compile backend for --compile blocks (default: inductor; on the CPU aot_eager, "
                          "which traces as inductor does, fullgraph and autograd, without its minutes of codegen)")
@@ -244,6 +244,10 @@ class Variant:
     def step(self, batch: Batch, probe: bool = False):
         """One training step with a new mask; with ``probe``, what the first step produced."""
         mask = batch.mask() if self.masked else None
+        if torch.cuda.is_available():
+            # A new iteration for CUDA graphs (mode="reduce-overhead"): the last step's graph
+            # outputs may be overwritten. Nothing otherwise.
+            torch.compiler.cudagraph_mark_step_begin()
         out = self.model(**batch.kwargs(mask))[0]
         loss = F.mse_loss(out.float(), batch.target.float())
         loss.backward()

@@ -204,3 +204,50 @@ def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, monk
         assert_model_close(got, step(stock, inputs), what=f"{lengths}")
     assert cnt.frame_count == 2, "a new mask recompiled"
     assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(checkpointing, monkeypatch):
+    """mode="reduce-overhead" traces attention to the static op (varlen_attn.op, "Under CUDA
+    graphs"): its plan comes from the mask alone with shapes fixed by B and S, so a replayed graph
+    recomputes it for each new mask. CUDA graphs capture nothing on the CPU, so this runs the
+    traced path here with "cpu" admitted: equal to eager stock for a new mask each step, every
+    attention call built its own plan, and the only host reads are the checks outside capture,
+    one per call (during capture they are device asserts)."""
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+
+    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
+    stock = tiny_chroma()
+    model = va.enable_varlen(tiny_chroma())
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+        block.compile(fullgraph=True, mode="reduce-overhead")
+    calls = CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (0, 0, 0)]):
+        inputs = chroma_inputs(lengths, seed=i)
+        va.reset_stats()
+        got = step(model, inputs)
+        st = va.stats()
+        assert st["plan_builds"] == calls and st["host_syncs"] == calls, (lengths, st)
+        assert st["backends"] == {"reference": calls} and not st["fallbacks"], st
+        assert_model_close(got, step(stock, inputs), what=f"{lengths}")
+    assert counters["stats"]["unique_graphs"] == 2, "a new mask recompiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def test_masks_cuda_graphs_cannot_run_are_refused_clearly(monkeypatch):
+    """A mask with two segments in one row (packed sequences) has no static plan: the traced
+    path refuses it, naming the modes that run it, instead of computing a wrong result."""
+    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
+    q, k, v = _qkv(0)
+    seg = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1])
+    mask = seg[:, None] == seg[None, :]
+
+    def layer(q, k, v):
+        return va.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=mask)
+
+    compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+    with pytest.raises(va.BackendUnavailableError, match="one segment per batch element.*max-autotune-no-cudagraphs"):
+        compiled(q, k, v)

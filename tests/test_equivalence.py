@@ -158,3 +158,43 @@ def test_dropin_causal_with_a_plan_aligns_top_left_as_sdpa(case):
     if sq != sk:
         with pytest.raises(va.InputValueError, match="plan"):
             va.scaled_dot_product_attention(case.q, case.k, case.v, is_causal=True, plan=plan, enable_gqa=case.gqa)
+
+
+STATIC_KINDS = ("key_padding", "prefix", "joint_text_first", "joint_image_first", "outer", "cross", "all_masked")
+
+
+def one_segment(keep: torch.Tensor) -> bool:
+    """Brute-force oracle of what a static plan holds: every head equal, and in each batch
+    element all query rows that attend something attend the same keys."""
+    if not bool((keep == keep[:, :1]).all()):
+        return False
+    return all(len({tuple(r.tolist()) for r in keep[b, 0] if r.any()}) <= 1 for b in range(keep.shape[0]))
+
+
+def _static_op(case, backend="reference", model_layout=False):
+    def fn(q, k, v):
+        mask = case.model_mask if model_layout else case.mask
+        out, _, _ = va.op.static_attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
+                                              None, case.gqa, backend, False,
+                                              "model" if model_layout else "torch", "bool", False)
+        return out.transpose(1, 2)
+    return fn
+
+
+@given(case=cases(kinds=STATIC_KINDS + ("segments",)), model_layout=st.booleans())
+def test_static_plans_equal_sdpa_float64(case, model_layout):
+    """The plan built with no host read (what CUDA graphs replay; varlen_attn.op, "Under CUDA
+    graphs"): packed tensors of all B*S rows, padding after the segments, bounds for max_seqlen.
+    Output and q/k/v gradients equal masked SDPA on every single-segment padding mask; a mask
+    with more than one segment in an element is refused, never computed wrong."""
+    note(repr(case))
+    if case.mask is None or (model_layout and case.model_mask is None):
+        return
+    fn = _static_op(case, model_layout=model_layout)
+    if not one_segment(effective_keep(case)):
+        with pytest.raises(va.BackendUnavailableError, match="one segment per batch element"):
+            run_with_grads(fn, case, torch.float64)
+        return
+    ref = run_with_grads(sdpa_fn(case, torch.float64, exact=True), case, torch.float64)
+    baseline = run_with_grads(sdpa_fn(case, torch.float64), case, torch.float64)
+    assert_matches(run_with_grads(fn, case, torch.float64), ref, baseline, torch.float64)

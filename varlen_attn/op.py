@@ -35,8 +35,8 @@ from torch import Tensor
 from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError
 from .execution import Options
-from .plan import VarlenPlan, plan_of_token
-from .scope import Policy, current_scope, resolve_plan, traced_signature
+from .plan import STATIC_PROBLEMS, VarlenPlan, build_static_plan, plan_of_token, static_plan_of, static_plan_tensors
+from .scope import Policy, current_scope, float_mask_read_as_bool, resolve_plan, traced_signature
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
 # and 2.15; on 2.6 and 2.8 whole-model compile recompiled for every new mask, on 2.5 regional
@@ -164,12 +164,17 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         if r.fused:
             return execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
                                              plan, r, opts)
-        # Recompute the forward under autograd (routes without a backward entry point, SDPA).
-        qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
-        with _autograd_dispatch(), torch.enable_grad(), _stats.quiet():
-            o = execution.run(qd, kd, vd, plan, mask4, r, opts)
-            grads = torch.autograd.grad(o, (qd, kd, vd), dout, allow_unused=True)
-        return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+        return _recomputed_grads(dout, q, k, v, plan, mask4, r, opts)
+
+
+def _recomputed_grads(dout, q, k, v, plan, mask4, r, opts):
+    """Gradients of a route without a backward entry point (or SDPA): its forward recomputed
+    under autograd."""
+    qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
+    with _autograd_dispatch(), torch.enable_grad(), _stats.quiet():
+        o = execution.run(qd, kd, vd, plan, mask4, r, opts)
+        grads = torch.autograd.grad(o, (qd, kd, vd), dout, allow_unused=True)
+    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
 
 
 @attention_backward_op.register_fake
@@ -214,9 +219,169 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
             f"dropout_p must be 0 under torch.compile (a recomputed backward would draw a "
             f"different dropout mask), got {opts.dropout_p}"
         )
+    if q.device.type in CAPTURED_DEVICES and _cuda_graphs_traced():
+        return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     roots, derivation = traced_signature(mask)
     out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token, roots, derivation,
                              None if opts.scale is None else float(opts.scale), bool(opts.causal),
                              bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask,
                              policy.model)
     return out
+
+
+# --- Under CUDA graphs -------------------------------------------------------------------------
+# A CUDA graph replays the kernels it recorded, with the arguments they had: the op above, which
+# reads its plan on the host at run time, cannot be in one. When the graph being traced will be
+# captured (torch.compile(mode="reduce-overhead")), attention goes to ``static_attention``
+# instead: it builds its plan inside the op from the mask alone, with no host read and with
+# shapes fixed by B, Sq and Sk (varlen_attn.plan.build_static_plan), and hands the plan's
+# tensors to its backward as an output. Every layer builds its own (a few small kernels, no
+# sync); a replay recomputes it from the new mask.
+
+
+# Devices whose graphs CUDA graphs capture (on others inductor skips them, and the compiled op
+# above, with its one plan per step, is the better path). Tests add "cpu" to run this path there.
+CAPTURED_DEVICES = frozenset({"cuda"})
+
+
+@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
+def _cuda_graphs_traced() -> bool:
+    """The graph dynamo is tracing will be compiled with CUDA graphs: the compile's inductor
+    options (``mode="reduce-overhead"``) or inductor's global config say so."""
+    config = sys.modules.get("torch._inductor.config")
+    if config is not None and config.triton.cudagraphs:
+        return True
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        backend = InstructionTranslator.current_tx().output.compiler_fn
+    except Exception:  # noqa: BLE001 - not tracing, or another torch: the fake refuses (above)
+        return False
+    for _ in range(8):  # dynamo wraps the backend (debug wrappers); its options are inside
+        options = getattr(backend, "config", None)
+        if isinstance(options, dict) and "triton.cudagraphs" in options:
+            return bool(options["triton.cudagraphs"])
+        backend = getattr(backend, "__wrapped__", None) or getattr(backend, "compiler_fn", None)
+        if backend is None:
+            break
+    return False
+
+
+def _static_attention(q, k, v, mask, *, plan, convention: str, opts: Options, policy: Policy) -> Tensor:
+    """The traced path under CUDA graphs (see above)."""
+    if opts.causal:
+        raise BackendUnavailableError(
+            "causal attention does not run under CUDA graphs with varlen_attn yet "
+            "(torch.compile mode='reduce-overhead'): compile with mode=None or 'max-autotune-no-cudagraphs'"
+        )
+    if mask is None:
+        if plan is not None:
+            raise InputValueError(
+                "under CUDA graphs (torch.compile mode='reduce-overhead') pass attn_mask, not only "
+                "plan: a plan holds host values a replayed graph cannot update"
+            )
+        mask = torch.ones((q.shape[0], k.shape[1]), dtype=torch.bool, device=q.device)
+        convention = "model"
+    if policy.backend == "sdpa":
+        return execution.masked_sdpa(q, k, v, execution.mask4_of(mask, q, k, convention), opts)
+    out, _, _ = static_attention_op(q, k, v, mask, None if opts.scale is None else float(opts.scale),
+                                    bool(opts.gqa), policy.backend, policy.strict, convention,
+                                    policy.float_mask, policy.model)
+    return out
+
+
+def _checked(problems: Tensor, float_mask: str, mask: Tensor) -> None:
+    """Stop where a static plan would be wrong: a host read (a clear error) outside capture, a
+    device assert recorded into the graph during capture (a replay with such a mask stops the
+    process rather than computing a wrong result)."""
+    fatal = problems if float_mask == "error" else problems[:-1]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        torch._assert_async(fatal.sum() == 0, "varlen_attn: the mask is not a padding mask (one "
+                            "segment per batch element), which CUDA graphs need")
+        return
+    _stats.record_host_sync()
+    found = dict(zip(STATIC_PROBLEMS, problems.tolist()))
+    for name in ("nan", "posinf"):
+        if found[name]:
+            raise InputValueError(f"attn_mask must not contain {'NaN' if name == 'nan' else '+inf'} "
+                                  f"(SDPA would return NaN), got a {mask.dtype} mask containing it")
+    for name in ("bias", "per_head", "structure", "segments"):
+        if found[name]:
+            raise BackendUnavailableError(
+                f"under CUDA graphs (torch.compile mode='reduce-overhead') varlen_attn needs a padding "
+                f"mask, one segment per batch element; this one is not ({name}): compile with mode=None "
+                f"or 'max-autotune-no-cudagraphs' (then it runs on masked SDPA with the reason recorded), "
+                f"or disable varlen_attn"
+            )
+    if found["float01"]:
+        float_mask_read_as_bool(float_mask, mask)
+
+
+def _static_plan(q, k, mask, convention: str, float_mask: str) -> VarlenPlan:
+    mask4 = execution.mask4_of(mask, q, k, convention)
+    plan, problems = build_static_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                                       float01_as_bool=float_mask != "bias")
+    _checked(problems, float_mask, mask)
+    return plan
+
+
+@torch.library.custom_op("varlen_attn::static_attention", mutates_args=())
+def static_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: Optional[float], gqa: bool,
+                        backend: str, strict: bool, convention: str, float_mask: str,
+                        model: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """Padded q, k, v and the mask -> ``(out, lse [Hq, B*Sq], plan tensors)``; no host read
+    during capture."""
+    with torch._C.DisableTorchFunction():
+        plan = _static_plan(q, k, mask, convention, float_mask)
+        opts = Options(scale, False, 0.0, gqa)
+        r = execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model))
+        if r.fused:
+            out, lse = execution.forward_lse(q, k, v, plan, r, opts)
+        else:
+            with torch.no_grad():
+                out = execution.run(q, k, v, plan, None, r, opts)
+            lse = q.new_empty((q.shape[2], plan.total_q), dtype=torch.float32)
+        return out.contiguous(), lse, static_plan_tensors(plan)
+
+
+@static_attention_op.register_fake
+def _(q, k, v, mask, scale, gqa, backend, strict, convention, float_mask, model):
+    b, sq, hq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
+    return (q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((hq, b * sq), dtype=torch.float32),
+            q.new_empty((3 * b * sq + 3 * b * sk + 2 * (b + 1),), dtype=torch.int64))
+
+
+@torch.library.custom_op("varlen_attn::static_attention_backward", mutates_args=())
+def static_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                                 plan_tensors: Tensor, scale: Optional[float], gqa: bool, backend: str,
+                                 strict: bool, float_mask: str, model: bool) -> tuple[Tensor, Tensor, Tensor]:
+    with torch._C.DisableTorchFunction():
+        plan = static_plan_of(plan_tensors, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
+        opts = Options(scale, False, 0.0, gqa)
+        r = execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model))
+        if r.fused:
+            return execution.backward_native(dout, q, k, v, out, lse, plan, r, opts)
+        return _recomputed_grads(dout, q, k, v, plan, None, r, opts)
+
+
+@static_attention_backward_op.register_fake
+def _(dout, q, k, v, out, lse, plan_tensors, scale, gqa, backend, strict, float_mask, model):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _static_setup_context(ctx, inputs, output):
+    q, k, v = inputs[:3]
+    out, lse, plan_tensors = output
+    ctx.save_for_backward(q, k, v, out, lse, plan_tensors)
+    ctx.args = inputs[4:]
+
+
+def _static_backward(ctx, dout, _dlse, _dplan):
+    q, k, v, out, lse, plan_tensors = ctx.saved_tensors
+    scale, gqa, backend, strict, _convention, float_mask, model = ctx.args
+    dq, dk, dv = static_attention_backward_op(dout.contiguous(), q, k, v, out, lse, plan_tensors, scale, gqa,
+                                              backend, strict, float_mask, model)
+    return dq, dk, dv, *(None,) * 8
+
+
+static_attention_op.register_autograd(_static_backward, setup_context=_static_setup_context)

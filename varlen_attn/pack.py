@@ -21,6 +21,10 @@ def _scatter(y, indices, rows, inverse=None, padding=None):
         out = y.new_zeros((rows,) + tuple(y.shape[1:]))
         return out.index_copy_(0, indices, y)
     out = y.index_select(0, inverse)
+    if padding.dtype == torch.bool:
+        # A static plan: every row has a packed twin, and the padding's twins hold whatever the
+        # kernel left past cu_seqlens[-1] (uninitialised, maybe NaN): filled, not multiplied.
+        return out.masked_fill(padding.view((-1,) + (1,) * (out.dim() - 1)), 0)
     return out.index_fill_(0, padding, 0) if padding.numel() else out
 
 

@@ -64,6 +64,12 @@ class VarlenPlan:
             an SDPA fallback must then use ``mask != 0``.
         inverse_q/k, padding_q/k: padded position -> packed row (0 for padding) and the padding
             positions, int64 on the device, so unpacking is a gather plus a fill of the padding.
+            In a static plan ``padding_q/k`` is a bool mask over the padded positions instead.
+        static: True for a plan built with no host read (:func:`build_static_plan`): the packed
+            tensors keep all ``B*S`` rows, valid tokens first (segments in batch order), the
+            padding after ``cu_seqlens[-1]`` where no kernel reads it; ``max_seqlen_q/k`` are the
+            bounds ``Sq``/``Sk``, ``total_q/k`` are ``B*Sq``/``B*Sk``, and no segment length is on
+            the host (``seqlens_q/k`` are empty). What CUDA graphs can capture.
         token: a one-element CPU tensor that stands for this plan where only tensors can go
             (a ``torch.compile`` graph passes it to the custom op in :mod:`varlen_attn.op`); it
             holds no number anyone reads and refers back to the plan weakly, so it is not a
@@ -95,6 +101,7 @@ class VarlenPlan:
     inverse_k: torch.Tensor | None = None
     padding_q: torch.Tensor | None = None
     padding_k: torch.Tensor | None = None
+    static: bool = False
     token: torch.Tensor = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
@@ -108,11 +115,13 @@ class VarlenPlan:
 
     @property
     def num_segments(self) -> int:
-        return len(self.seqlens_q)
+        return self.batch_size if self.static else len(self.seqlens_q)
 
     def __repr__(self) -> str:
         if not self.packable:
             return f"VarlenPlan(B={self.batch_size}, Sq={self.seqlen_q}, Sk={self.seqlen_k}, not packable: {self.reason})"
+        if self.static:
+            return f"VarlenPlan(B={self.batch_size}, Sq={self.seqlen_q}, Sk={self.seqlen_k}, static)"
         return (
             f"VarlenPlan(B={self.batch_size}, Sq={self.seqlen_q}, Sk={self.seqlen_k}, "
             f"segments={self.num_segments}, total_q={self.total_q}, total_k={self.total_k}, "
@@ -364,6 +373,79 @@ def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) ->
     cu_k = _cu(cnt_k[seg_bins].to(torch.int32))
     plan = _make_plan(batch, sq, sk, device, lens_q, lens_k, seg_batch, idx_q, idx_k, cu_q, cu_k, aligned)
     return dataclasses.replace(plan, read_as_bool=True) if read_as_bool else plan
+
+
+def build_static_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
+                      float01_as_bool: bool = False) -> tuple[VarlenPlan, torch.Tensor]:
+    """A plan from a ``[B|1, H|1, Sq|1, Sk]`` mask with **no host read** (what a CUDA graph can
+    capture): every tensor has a shape fixed by ``B``, ``Sq`` and ``Sk`` (see
+    :attr:`VarlenPlan.static`), so the same kernels replay for any mask of that shape.
+
+    Such a layout has one segment per batch element, so it fits padding masks: the valid queries
+    of an element attend all its valid keys (key padding, query-and-key padding, diffusers'
+    outer products, additive ``-10000`` / ``-inf`` masks). Whether the mask is one is decided on
+    the device too: returns ``(plan, problems)``, ``problems`` an int64 device vector in
+    :data:`STATIC_PROBLEMS` order, all zero when the plan is exact. The caller checks it (a host
+    read where one is allowed, a device assert under capture)."""
+    _stats.record_plan_build()
+    device = mask4.device
+    as_bool = torch.zeros((), dtype=torch.bool, device=device)
+    if float01_as_bool and mask4.is_floating_point():
+        as_bool = ((mask4 == 0) | (mask4 == 1)).all() & (mask4 == 1).any()
+        mask4 = torch.where(as_bool, torch.where(mask4 != 0, 0.0, float("-inf")).to(mask4.dtype), mask4)
+    a = analyze(mask4, batch_size=batch, seqlen_q=seqlen_q)
+    valid_q, valid_k = a.seg_q >= 0, a.seg_k >= 0
+    # One segment per element: every valid position carries the element's one segment id.
+    top = a.seg_k.amax(dim=-1, keepdim=True)
+    segments = ((valid_k & (a.seg_k != top)).any() | (valid_q & (a.seg_q != top)).any())
+    problems = torch.cat([a.flags, segments.to(torch.int64)[None], as_bool.to(torch.int64)[None]])
+    perm_q, inv_q, cu_q = _static_side(valid_q)
+    perm_k, inv_k, cu_k = _static_side(valid_k)
+    plan = VarlenPlan(
+        batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, packable=True, device=device,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, indices_q=perm_q, indices_k=perm_k,
+        max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, total_q=batch * seqlen_q, total_k=batch * seqlen_k,
+        inverse_q=inv_q, inverse_k=inv_k, padding_q=~valid_q.reshape(-1), padding_k=~valid_k.reshape(-1),
+        static=True,
+    )
+    return plan, problems
+
+
+# What build_static_plan's ``problems`` vector reports, in order: the mask analysis' flags, then
+# more than one segment in an element, then a float 0/1 mask that was read as boolean.
+STATIC_PROBLEMS = FLAG_NAMES + ("segments", "float01")
+
+
+def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int) -> VarlenPlan:
+    """The static plan whose tensors :func:`static_plan_tensors` put in one int64 vector."""
+    rq, rk = batch * seqlen_q, batch * seqlen_k
+    parts = torch.split(tensors, [rq, rq, rq, rk, rk, rk, batch + 1, batch + 1])
+    pq, iq, vq, pk, ik, vk, cq, ck = parts
+    return VarlenPlan(
+        batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, packable=True, device=tensors.device,
+        cu_seqlens_q=cq.to(torch.int32), cu_seqlens_k=ck.to(torch.int32), indices_q=pq, indices_k=pk,
+        max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, total_q=rq, total_k=rk,
+        inverse_q=iq, inverse_k=ik, padding_q=vq == 0, padding_k=vk == 0, static=True,
+    )
+
+
+def static_plan_tensors(plan: VarlenPlan) -> torch.Tensor:
+    """A static plan's device tensors in one int64 vector (a custom op returns it for its
+    backward to rebuild the plan from, with :func:`static_plan_of`)."""
+    return torch.cat([plan.indices_q, plan.inverse_q, (~plan.padding_q).to(torch.int64), plan.indices_k,
+                      plan.inverse_k, (~plan.padding_k).to(torch.int64), plan.cu_seqlens_q.to(torch.int64),
+                      plan.cu_seqlens_k.to(torch.int64)])
+
+
+def _static_side(valid: torch.Tensor):
+    """``valid [B, S]`` -> (order, inverse, cu_seqlens): the valid positions of each element in
+    order, elements in batch order, then every padding position; no host read."""
+    b, s = valid.shape
+    rows = torch.arange(b * s, device=valid.device)
+    bins = torch.where(valid, torch.arange(b, device=valid.device)[:, None], b).reshape(-1)
+    order = torch.sort(bins, stable=True).indices
+    inverse = torch.empty_like(order).scatter_(0, order, rows)
+    return order, inverse, _cu(valid.sum(dim=1, dtype=torch.int32))
 
 
 # Masks up to this many elements are cached (their snapshot is a copy); larger ones, such as a

@@ -430,11 +430,12 @@ def resolve_plan(
         if pkey is not None:
             scope.plans[pkey] = found
     if found.read_as_bool:
-        _float_mask_read_as_bool(policy.float_mask, mask)
+        float_mask_read_as_bool(policy.float_mask, mask)
     return found
 
 
-def _float_mask_read_as_bool(policy: str, mask: torch.Tensor) -> None:
+def float_mask_read_as_bool(policy: str, mask: torch.Tensor) -> None:
+    """A float 0/1 mask was read as boolean: raise under ``float_mask="error"``, else warn once."""
     if policy == "error":
         raise InputTypeError(
             f"a float 0/1 attention mask (dtype {mask.dtype}, shape {tuple(mask.shape)}) reached "

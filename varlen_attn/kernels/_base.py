@@ -62,6 +62,9 @@ class Backend:
     SUPPORTS_CAUSAL: bool = True
     SUPPORTS_DROPOUT: bool = True
     SUPPORTS_DIFFERENT_V_DIM: bool = True
+    # True when the kernel reads segment lengths from ``cu_seqlens`` on the device only and never
+    # reads packed rows past ``cu_seqlens[-1]``: it can run a static plan (VarlenPlan.static).
+    STATIC_PLANS: bool = False
     # True when forward_lse/backward call the kernel's own forward and backward entry points
     # (then pack + kernel + unpack run as one autograd node, varlen_attn.fused).
     NATIVE_BACKWARD: bool = False
@@ -102,6 +105,8 @@ class Backend:
             reasons.append("dropout not supported")
         if not self.SUPPORTS_DIFFERENT_V_DIM and inp.q.shape[-1] != inp.v.shape[-1]:
             reasons.append("value head dim different from query head dim not supported")
+        if inp.plan.static and not self.STATIC_PLANS:
+            reasons.append("needs segment lengths on the host (a plan for CUDA graphs has them on the device only)")
         return reasons
 
     def forward(self, inp: VarlenInputs) -> torch.Tensor:

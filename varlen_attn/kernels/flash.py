@@ -22,6 +22,7 @@ class _FlashBackend(Backend):
     MAX_HEAD_DIM = 256
     SUPPORTS_DIFFERENT_V_DIM = False
     REQUIRES_CONTIGUOUS_LAST_DIM = True
+    STATIC_PLANS = True
 
     def _fn(self):
         return importlib.import_module(self.MODULE).flash_attn_varlen_func

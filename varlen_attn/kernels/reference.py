@@ -14,12 +14,27 @@ from ._base import Backend, VarlenInputs
 class ReferenceBackend(Backend):
     NAME = "reference"
     REQUIRES = ("kernels_ref",)
+    # On the CPU only: a static plan's totals are read on the host (nothing captures there).
+    STATIC_PLANS = True
+
+    def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inp)
+        if inp.plan.static and inp.q.device.type != "cpu":
+            reasons.append("reads a static plan's lengths on the host (CPU only)")
+        return reasons
 
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
         import kernels_ref
 
         p = inp.plan
-        return kernels_ref.flash_attn_varlen_func(
-            inp.q, inp.k, inp.v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
+        q, k, v = inp.q, inp.k, inp.v
+        if p.static:  # the oracle takes exactly the valid rows; the padding rows come back as zeros
+            total_q, total_k = int(p.cu_seqlens_q[-1]), int(p.cu_seqlens_k[-1])
+            q, k, v = q[:total_q], k[:total_k], v[:total_k]
+        out = kernels_ref.flash_attn_varlen_func(
+            q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q, p.max_seqlen_k,
             dropout_p=inp.dropout_p, softmax_scale=inp.scale, causal=inp.causal,
         )
+        if p.static:
+            out = torch.cat([out, out.new_zeros((inp.q.shape[0] - out.shape[0],) + tuple(out.shape[1:]))])
+        return out

@@ -50,6 +50,7 @@ class TorchVarlenBackend(Backend):
     MAX_HEAD_DIM = 256
     SUPPORTS_DROPOUT = False
     SUPPORTS_DIFFERENT_V_DIM = False
+    STATIC_PLANS = True
 
     def is_installed(self) -> bool:
         try:
