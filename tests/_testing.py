@@ -22,6 +22,17 @@ PACKABLE_KINDS = ("none", "key_padding", "prefix", "joint_text_first", "joint_im
                   "outer", "cross", "segments", "all_masked")
 UNPACKABLE_KINDS = ("random", "causal", "bias01", "per_head")
 REPS = ("bool", "neg_inf", "neg_10000", "finfo_min")
+# Kinds whose masks are mostly one segment per batch element (what a static plan holds; a row
+# of -10000 in an outer product attends every key, and is not).
+STATIC_KINDS = ("key_padding", "prefix", "joint_text_first", "joint_image_first", "outer", "cross", "all_masked")
+
+
+def one_segment(keep: torch.Tensor) -> bool:
+    """Brute-force oracle of what a static plan holds: every head equal, and in each batch
+    element all query rows that attend something attend the same keys."""
+    if not bool((keep == keep[:, :1]).all()):
+        return False
+    return all(len({tuple(r.tolist()) for r in keep[b, 0] if r.any()}) <= 1 for b in range(keep.shape[0]))
 
 
 @dataclass

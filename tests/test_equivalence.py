@@ -7,8 +7,8 @@ from hypothesis import given, note
 from hypothesis import strategies as st
 
 import varlen_attn as va
-from _testing import (PACKABLE_KINDS, UNPACKABLE_KINDS, assert_matches, cases, effective_keep,
-                      is_segment_pattern, run_with_grads, sdpa_fn)
+from _testing import (PACKABLE_KINDS, STATIC_KINDS, UNPACKABLE_KINDS, assert_matches, cases, effective_keep,
+                      is_segment_pattern, one_segment, run_with_grads, sdpa_fn)
 
 BACKENDS = ["auto", "reference", "split_sdpa"]
 
@@ -158,17 +158,6 @@ def test_dropin_causal_with_a_plan_aligns_top_left_as_sdpa(case):
     if sq != sk:
         with pytest.raises(va.InputValueError, match="plan"):
             va.scaled_dot_product_attention(case.q, case.k, case.v, is_causal=True, plan=plan, enable_gqa=case.gqa)
-
-
-STATIC_KINDS = ("key_padding", "prefix", "joint_text_first", "joint_image_first", "outer", "cross", "all_masked")
-
-
-def one_segment(keep: torch.Tensor) -> bool:
-    """Brute-force oracle of what a static plan holds: every head equal, and in each batch
-    element all query rows that attend something attend the same keys."""
-    if not bool((keep == keep[:, :1]).all()):
-        return False
-    return all(len({tuple(r.tolist()) for r in keep[b, 0] if r.any()}) <= 1 for b in range(keep.shape[0]))
 
 
 def _static_op(case, backend="reference", model_layout=False):

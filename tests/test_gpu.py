@@ -12,7 +12,8 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import varlen_attn as va
-from _testing import assert_matches, cases, effective_keep, is_segment_pattern, run_with_grads, sdpa_fn
+from _testing import (STATIC_KINDS, assert_matches, cases, effective_keep, is_segment_pattern, one_segment,
+                      run_with_grads, sdpa_fn)
 from varlen_attn import kernels
 
 pytestmark = [
@@ -118,9 +119,6 @@ def test_plan_build_syncs_once_on_cuda():
     assert va.stats()["host_syncs"] == 1
 
 
-STATIC_KINDS = ("key_padding", "prefix", "joint_text_first", "joint_image_first", "outer", "cross", "all_masked")
-
-
 @pytest.mark.parametrize("backend", [b for b in kernels.PRIORITY["cuda_sm90"] if kernels.BACKENDS[b].STATIC_PLANS
                                      and b != "reference"])
 @settings(max_examples=30)
@@ -129,7 +127,8 @@ STATIC_KINDS = ("key_padding", "prefix", "joint_text_first", "joint_image_first"
 def test_static_plans_equal_sdpa_on_cuda(backend, case, dtype):
     """The op CUDA graphs capture (static plan: all B*S rows packed, padding past cu_seqlens[-1]
     left to the kernel uninitialised and masked out after; empty segments where an element has
-    no valid token) against masked SDPA, forward and backward."""
+    no valid token) against masked SDPA, forward and backward; a mask that is not one segment per
+    element is refused."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if not _installed(backend):
@@ -145,6 +144,10 @@ def test_static_plans_equal_sdpa_on_cuda(backend, case, dtype):
                                               case.gqa, backend, False, "torch", "bool", False)
         return out.transpose(1, 2)
 
+    if not one_segment(effective_keep(case)):
+        with pytest.raises(va.BackendUnavailableError, match="one segment per batch element"):
+            run_with_grads(ours, case, dtype, dev)
+        return
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         ref = run_with_grads(sdpa_fn(case, torch.float64, exact=True), case, torch.float64)
         baseline = run_with_grads(sdpa_fn(case, dtype, device=dev), case, dtype, dev)
