@@ -236,6 +236,26 @@ def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(c
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_a_whole_model_compiled_for_cuda_graphs_equals_stock(monkeypatch):
+    """The whole enabled model under ``torch.compile(mode="reduce-overhead")`` (the CPU stands
+    in for CUDA, as above): the forward's masks reach the static op inside the one graph, and
+    every step equals eager stock."""
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+
+    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
+    stock = tiny_chroma()
+    model = va.enable_varlen(tiny_chroma())
+    compiled = torch.compile(model, mode="reduce-overhead")
+    for i, lengths in enumerate([(5, 2, 0), (0, 0, 0)]):
+        inputs = chroma_inputs(lengths, seed=i)
+        va.reset_stats()
+        out, grads = step(compiled, inputs)
+        st = va.stats()
+        assert st["backends"] == {"reference": CHROMA_ATTN_LAYERS} and not st["fallbacks"], st
+        grads = {name.replace("_orig_mod.", ""): g for name, g in grads.items()}
+        assert_model_close((out, grads), step(stock, inputs), what=f"{lengths}")
+
+
 def test_masks_cuda_graphs_cannot_run_are_refused_clearly(monkeypatch):
     """A mask with two segments in one row (packed sequences) has no static plan: the traced
     path refuses it, naming the modes that run it, instead of computing a wrong result."""
