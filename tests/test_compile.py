@@ -271,3 +271,67 @@ def test_masks_cuda_graphs_cannot_run_are_refused_clearly(monkeypatch):
     compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
     with pytest.raises(va.BackendUnavailableError, match="one segment per batch element.*max-autotune-no-cudagraphs"):
         compiled(q, k, v)
+
+
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_compiled_dropin_on_sdpa_layout_inputs_differentiates(mode, monkeypatch):
+    """The drop-in under inductor with q, k, v contiguous in SDPA's [B, H, S, D] layout: the ops
+    see transposed [B, S, H, D] views, and their backward's gradients must have the strides the
+    fake implementations promised (a stride assertion in the compiled backward failed before)."""
+    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
+    proj = torch.nn.Linear(D, D, dtype=torch.float64)
+    keep = torch.arange(S)[None] < torch.tensor([5, 12, 1])[:, None]
+
+    def layer(x):
+        q = proj(x)  # [B, H, S, D], contiguous
+        return va.scaled_dot_product_attention(q, q, q, attn_mask=keep[:, None, None, :])
+
+    x = torch.randn(B, H, S, D, dtype=torch.float64)
+    compiled = torch.compile(layer, fullgraph=True, mode=mode)
+    got = torch.autograd.grad(compiled(x).sum(), proj.weight)[0]
+    q = proj(x)
+    want = torch.autograd.grad(F.scaled_dot_product_attention(q, q, q, attn_mask=keep[:, None, None, :]).sum(),
+                               proj.weight)[0]
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_cuda_graphs_with_backend_sdpa_read_a_float01_mask_as_eager_does(monkeypatch):
+    """backend="sdpa" under CUDA graphs runs masked SDPA inside the graph; a float 0/1 mask is
+    read there as eager reads it under float_mask="bool" (a keep-mask), on the device, and
+    float_mask="error", which needs a host read, is refused clearly."""
+    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
+    q, k, v = (t.transpose(1, 2) for t in _qkv(0, requires_grad=False))
+    keep = (torch.arange(S)[None] < torch.tensor([5, 12, 1])[:, None]).to(torch.float64)[:, None, None, :]
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    model = va.enable_varlen(Attention(), backend="sdpa", float_mask="bool")
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=keep.bool())
+    torch.testing.assert_close(model(q, k, v, keep), want, rtol=0, atol=1e-12)
+    got = torch.compile(model, fullgraph=True, mode="reduce-overhead")(q, k, v, keep)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    torch.compiler.reset()
+    model = va.enable_varlen(Attention(), backend="sdpa", float_mask="error")
+    with pytest.raises(Exception, match="float_mask='error' cannot check"):
+        torch.compile(model, mode="reduce-overhead")(q, k, v, keep)
+
+
+def test_cuda_graph_detection_lets_the_compiles_own_options_win(monkeypatch):
+    """Inductor's global config asks for CUDA graphs, this compile's options turn them off:
+    attention is traced to the op that plans on the host (a two-segment mask runs), as inductor
+    will compile it without CUDA graphs."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(inductor_config.triton, "cudagraphs", True)
+    q, k, v = (t.transpose(1, 2) for t in _qkv(0, requires_grad=False))
+    seg = torch.tensor([0] * 5 + [1] * 7)
+    mask = seg[:, None] == seg[None, :]
+
+    def layer(q, k, v):
+        return va.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    got = torch.compile(layer, fullgraph=True, options={"triton.cudagraphs": False})(q, k, v)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)

@@ -35,7 +35,8 @@ from torch import Tensor
 from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError
 from .execution import Options
-from .plan import STATIC_PROBLEMS, VarlenPlan, build_static_plan, plan_of_token, static_plan_of, static_plan_tensors
+from .plan import (STATIC_PROBLEMS, VarlenPlan, build_static_plan, plan_of_token, read_float01_as_bool, static_plan_of,
+                   static_plan_tensors)
 from .scope import Policy, current_scope, float_mask_read_as_bool, resolve_plan, traced_signature
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
@@ -139,10 +140,10 @@ def _(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, stri
       model):
     if q.device.type == "cuda" and _cuda_graphs_requested():
         raise BackendUnavailableError(
-            "varlen_attn does not run under CUDA graphs yet (torch.compile mode='reduce-overhead'): "
-            "with the attention op outside the captured partitions the gradients came out wrong "
-            "(tests/test_gpu_models.py). Compile with mode=None (default) or "
-            "'max-autotune-no-cudagraphs'."
+            "CUDA graphs (torch.compile mode='reduce-overhead') were requested, but varlen_attn did not "
+            "see it while dynamo traced (a compiler backend wrapped in a way it does not know), so "
+            "attention was traced to the op that reads its plan on the host, which a CUDA graph cannot "
+            "replay. Compile with mode=None (default) or 'max-autotune-no-cudagraphs'."
         )
     b, sq, hq = q.shape[0], q.shape[1], q.shape[2]
     return (q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((hq, b * sq), dtype=torch.float32),
@@ -162,8 +163,8 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     with torch._C.DisableTorchFunction():
         plan, r, mask4, opts = _held(handle)
         if r.fused:
-            return execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
-                                             plan, r, opts)
+            return _contiguous(execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
+                                                         plan, r, opts))
         return _recomputed_grads(dout, q, k, v, plan, mask4, r, opts)
 
 
@@ -174,12 +175,22 @@ def _recomputed_grads(dout, q, k, v, plan, mask4, r, opts):
     with _autograd_dispatch(), torch.enable_grad(), _stats.quiet():
         o = execution.run(qd, kd, vd, plan, mask4, r, opts)
         grads = torch.autograd.grad(o, (qd, kd, vd), dout, allow_unused=True)
-    return tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v)))
+    return _contiguous(tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, (q, k, v))))
+
+
+def _contiguous(grads):
+    """The backward ops' gradients, contiguous: what their fake implementations promise
+    (``_contiguous_like``), whatever the strides of q, k, v (the drop-in's are transposed views)."""
+    return tuple(g.contiguous() for g in grads)
+
+
+def _contiguous_like(*tensors):
+    return tuple(t.new_empty(t.shape) for t in tensors)
 
 
 @attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, handle):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _contiguous_like(q, k, v)
 
 
 _AUTOGRAD_KEYS = tuple(k for name, k in torch._C.DispatchKey.__members__.items()
@@ -248,42 +259,62 @@ CAPTURED_DEVICES = frozenset({"cuda"})
 def _cuda_graphs_traced() -> bool:
     """The graph dynamo is tracing will be compiled with CUDA graphs: the compile's inductor
     options (``mode="reduce-overhead"``) or inductor's global config say so."""
-    config = sys.modules.get("torch._inductor.config")
-    if config is not None and config.triton.cudagraphs:
-        return True
     try:
         from torch._dynamo.symbolic_convert import InstructionTranslator
 
         backend = InstructionTranslator.current_tx().output.compiler_fn
     except Exception:  # noqa: BLE001 - not tracing, or another torch: the fake refuses (above)
-        return False
-    for _ in range(8):  # dynamo wraps the backend (debug wrappers); its options are inside
+        backend = None
+    seen = 0
+    while backend is not None and seen < 12:  # wrappers: dynamo's debug wrapper, DDP's optimizer
         options = getattr(backend, "config", None)
         if isinstance(options, dict) and "triton.cudagraphs" in options:
-            return bool(options["triton.cudagraphs"])
-        backend = getattr(backend, "__wrapped__", None) or getattr(backend, "compiler_fn", None)
-        if backend is None:
-            break
-    return False
+            return bool(options["triton.cudagraphs"])  # the compile's own options win
+        backend = next((w for w in (getattr(backend, a, None) for a in _WRAPPED) if w is not None), None)
+        seen += 1
+    config = sys.modules.get("torch._inductor.config")
+    return bool(config is not None and config.triton.cudagraphs)
+
+
+# Where a compiler wrapper keeps what it wraps: functools-style, dynamo's WrapBackendDebug,
+# DDPOptimizer (a bound method whose object holds the backend), the original backend.
+_WRAPPED = ("__wrapped__", "compiler_fn", "__self__", "backend_compile_fn", "_torchdynamo_orig_backend")
+
+
+def _raise(error: Exception):
+    raise error
+
+
+# Raised outside the trace, so the error reaches the caller as it is (a raise inside the trace
+# makes dynamo break the graph and run on eagerly, see _refuse_compile).
+_raise_outside_trace = _compiler_disabled(_raise, "varlen_attn refuses this call under CUDA graphs")
 
 
 def _static_attention(q, k, v, mask, *, plan, convention: str, opts: Options, policy: Policy) -> Tensor:
     """The traced path under CUDA graphs (see above)."""
     if opts.causal:
-        raise BackendUnavailableError(
+        _raise_outside_trace(BackendUnavailableError(
             "causal attention does not run under CUDA graphs with varlen_attn yet "
             "(torch.compile mode='reduce-overhead'): compile with mode=None or 'max-autotune-no-cudagraphs'"
-        )
+        ))
     if mask is None:
         if plan is not None:
-            raise InputValueError(
+            _raise_outside_trace(InputValueError(
                 "under CUDA graphs (torch.compile mode='reduce-overhead') pass attn_mask, not only "
                 "plan: a plan holds host values a replayed graph cannot update"
-            )
+            ))
         mask = torch.ones((q.shape[0], k.shape[1]), dtype=torch.bool, device=q.device)
         convention = "model"
     if policy.backend == "sdpa":
-        return execution.masked_sdpa(q, k, v, execution.mask4_of(mask, q, k, convention), opts)
+        mask4 = execution.mask4_of(mask, q, k, convention)
+        if mask4.is_floating_point() and policy.float_mask == "error":
+            _raise_outside_trace(BackendUnavailableError(
+                f"float_mask='error' cannot check a float mask (dtype {mask.dtype}, shape {tuple(mask.shape)}) "
+                f"for 0/1 values under CUDA graphs with backend='sdpa' (that needs a host read): choose "
+                f"float_mask='bool' or 'bias', or another backend"))
+        if mask4.is_floating_point() and policy.float_mask == "bool":
+            mask4 = read_float01_as_bool(mask4)[0]  # on the device, as eager reads it
+        return execution.masked_sdpa(q, k, v, mask4, opts)
     out, _, _ = static_attention_op(q, k, v, mask, None if opts.scale is None else float(opts.scale),
                                     bool(opts.gqa), policy.backend, policy.strict, convention,
                                     policy.float_mask, policy.model)
@@ -304,17 +335,26 @@ def _checked(problems: Tensor, float_mask: str, mask: Tensor) -> None:
     for name in ("nan", "posinf"):
         if found[name]:
             raise InputValueError(f"attn_mask must not contain {'NaN' if name == 'nan' else '+inf'} "
-                                  f"(SDPA would return NaN), got a {mask.dtype} mask containing it")
+                                  f"(SDPA would return NaN), got a {mask.dtype} mask of shape "
+                                  f"{tuple(mask.shape)} containing it")
     for name in ("bias", "per_head", "structure", "segments"):
         if found[name]:
             raise BackendUnavailableError(
                 f"under CUDA graphs (torch.compile mode='reduce-overhead') varlen_attn needs a padding "
-                f"mask, one segment per batch element; this one is not ({name}): compile with mode=None "
+                f"mask, one segment per batch element; got a {mask.dtype} mask of shape {tuple(mask.shape)} "
+                f"that is not ({_STATIC_WHY[name]}): compile with mode=None "
                 f"or 'max-autotune-no-cudagraphs' (then it runs on masked SDPA with the reason recorded), "
                 f"or disable varlen_attn"
             )
     if found["float01"]:
         float_mask_read_as_bool(float_mask, mask)
+
+
+_STATIC_WHY = {
+    "bias": "an additive bias", "per_head": "different keys per head",
+    "structure": "queries attending overlapping but different key sets",
+    "segments": "several segments in one batch element",
+}
 
 
 def _static_plan(q, k, mask, convention: str, float_mask: str) -> VarlenPlan:
@@ -360,13 +400,13 @@ def static_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
         opts = Options(scale, False, 0.0, gqa)
         r = execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model))
         if r.fused:
-            return execution.backward_native(dout, q, k, v, out, lse, plan, r, opts)
+            return _contiguous(execution.backward_native(dout, q, k, v, out, lse, plan, r, opts))
         return _recomputed_grads(dout, q, k, v, plan, None, r, opts)
 
 
 @static_attention_backward_op.register_fake
 def _(dout, q, k, v, out, lse, plan_tensors, scale, gqa, backend, strict, float_mask, model):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    return _contiguous_like(q, k, v)
 
 
 def _static_setup_context(ctx, inputs, output):

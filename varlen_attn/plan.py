@@ -154,6 +154,14 @@ def _order(bins: torch.Tensor, total: int) -> torch.Tensor:
     return torch.sort(bins, stable=True).indices[:total]
 
 
+def read_float01_as_bool(mask4: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(mask, as_bool)``: a float mask whose values are all 0 or 1, with at least one 1, turned
+    into 0 (keep) / -inf (drop), else unchanged; ``as_bool`` says which, a device scalar. Decided
+    on the device, so the choice costs no sync of its own."""
+    as_bool = ((mask4 == 0) | (mask4 == 1)).all() & (mask4 == 1).any()
+    return torch.where(as_bool, torch.where(mask4 != 0, 0.0, float("-inf")).to(mask4.dtype), mask4), as_bool
+
+
 def build_plan(
     attn_mask: torch.Tensor | None,
     *,
@@ -329,9 +337,7 @@ def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) ->
                         convention=convention)
     as_bool = torch.zeros((), dtype=torch.bool, device=mask.device)
     if float01_as_bool:
-        # Decide on the device, so the choice costs no sync of its own: a 0/1 mask becomes 0/-inf.
-        as_bool = ((m4 == 0) | (m4 == 1)).all() & (m4 == 1).any()
-        m4 = torch.where(as_bool, torch.where(m4 != 0, 0.0, float("-inf")).to(m4.dtype), m4)
+        m4, as_bool = read_float01_as_bool(m4)
     a = analyze(m4, batch_size=batch, seqlen_q=sq)
     device = mask.device
     nbins = batch * sk
@@ -391,8 +397,7 @@ def build_static_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_
     device = mask4.device
     as_bool = torch.zeros((), dtype=torch.bool, device=device)
     if float01_as_bool and mask4.is_floating_point():
-        as_bool = ((mask4 == 0) | (mask4 == 1)).all() & (mask4 == 1).any()
-        mask4 = torch.where(as_bool, torch.where(mask4 != 0, 0.0, float("-inf")).to(mask4.dtype), mask4)
+        mask4, as_bool = read_float01_as_bool(mask4)
     a = analyze(mask4, batch_size=batch, seqlen_q=seqlen_q)
     valid_q, valid_k = a.seg_q >= 0, a.seg_k >= 0
     # One segment per element: every valid position carries the element's one segment id.
