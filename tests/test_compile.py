@@ -325,7 +325,6 @@ def test_cuda_graph_detection_lets_the_compiles_own_options_win(monkeypatch):
     import torch._inductor.config as inductor_config
 
     monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
-    monkeypatch.setattr(inductor_config.triton, "cudagraphs", True)
     q, k, v = (t.transpose(1, 2) for t in _qkv(0, requires_grad=False))
     seg = torch.tensor([0] * 5 + [1] * 7)
     mask = seg[:, None] == seg[None, :]
@@ -333,5 +332,7 @@ def test_cuda_graph_detection_lets_the_compiles_own_options_win(monkeypatch):
     def layer(q, k, v):
         return va.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
-    got = torch.compile(layer, fullgraph=True, options={"triton.cudagraphs": False})(q, k, v)
+    # inductor's own patch: monkeypatch's undo would delete the entry (ConfigModule hides it).
+    with inductor_config.patch({"triton.cudagraphs": True}):
+        got = torch.compile(layer, fullgraph=True, options={"triton.cudagraphs": False})(q, k, v)
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
