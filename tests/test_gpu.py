@@ -44,6 +44,16 @@ def test_backend_equals_sdpa_on_cuda(backend, case, dtype):
         _backend_equals_sdpa_on_cuda(backend, case, dtype)
 
 
+def _reference_and_baseline(case, dtype, dev):
+    """The float64 result (exact reading of the mask) and stock SDPA's at ``dtype`` on ``dev``,
+    off cuDNN SDPA (see above)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        ref = run_with_grads(sdpa_fn(case, torch.float64, exact=True), case, torch.float64)
+        return ref, run_with_grads(sdpa_fn(case, dtype, device=dev), case, dtype, dev)
+
+
 def _backend_equals_sdpa_on_cuda(backend, case, dtype):
     if not _installed(backend):
         pytest.skip(f"backend {backend!r} is not installed here")
@@ -65,8 +75,7 @@ def _backend_equals_sdpa_on_cuda(backend, case, dtype):
         with pytest.raises(va.BackendUnavailableError):
             run_with_grads(ours, case, dtype, dev)
         return
-    ref = run_with_grads(sdpa_fn(case, torch.float64, exact=True), case, torch.float64)
-    baseline = run_with_grads(sdpa_fn(case, dtype, device=dev), case, dtype, dev)
+    ref, baseline = _reference_and_baseline(case, dtype, dev)
     try:
         got = run_with_grads(ours, case, dtype, dev)
     except va.BackendUnavailableError as e:
@@ -129,8 +138,6 @@ def test_static_plans_equal_sdpa_on_cuda(backend, case, dtype):
     left to the kernel uninitialised and masked out after; empty segments where an element has
     no valid token) against masked SDPA, forward and backward; a mask that is not one segment per
     element is refused."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if not _installed(backend):
         pytest.skip(f"backend {backend!r} is not installed here")
     note(repr(case))
@@ -148,9 +155,7 @@ def test_static_plans_equal_sdpa_on_cuda(backend, case, dtype):
         with pytest.raises(va.BackendUnavailableError, match="one segment per batch element"):
             run_with_grads(ours, case, dtype, dev)
         return
-    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        ref = run_with_grads(sdpa_fn(case, torch.float64, exact=True), case, torch.float64)
-        baseline = run_with_grads(sdpa_fn(case, dtype, device=dev), case, dtype, dev)
+    ref, baseline = _reference_and_baseline(case, dtype, dev)
     try:
         got = run_with_grads(ours, case, dtype, dev)
     except va.BackendUnavailableError as e:
