@@ -388,7 +388,7 @@ def static_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: Op
 def _(q, k, v, mask, scale, gqa, backend, strict, convention, float_mask, model):
     b, sq, hq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
     return (q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((hq, b * sq), dtype=torch.float32),
-            q.new_empty((3 * b * sq + 3 * b * sk + 2 * (b + 1),), dtype=torch.int64))
+            q.new_empty((2 * b * sq + 2 * b * sk + 2 * (b + 1),), dtype=torch.int64))
 
 
 @torch.library.custom_op("varlen_attn::static_attention_backward", mutates_args=())

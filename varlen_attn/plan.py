@@ -404,15 +404,7 @@ def build_static_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_
     top = a.seg_k.amax(dim=-1, keepdim=True)
     segments = ((valid_k & (a.seg_k != top)).any() | (valid_q & (a.seg_q != top)).any())
     problems = torch.cat([a.flags, segments.to(torch.int64)[None], as_bool.to(torch.int64)[None]])
-    perm_q, inv_q, cu_q = _static_side(valid_q)
-    perm_k, inv_k, cu_k = _static_side(valid_k)
-    plan = VarlenPlan(
-        batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, packable=True, device=device,
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, indices_q=perm_q, indices_k=perm_k,
-        max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, total_q=batch * seqlen_q, total_k=batch * seqlen_k,
-        inverse_q=inv_q, inverse_k=inv_k, padding_q=~valid_q.reshape(-1), padding_k=~valid_k.reshape(-1),
-        static=True,
-    )
+    plan = _static_plan(batch, seqlen_q, seqlen_k, *_static_side(valid_q), *_static_side(valid_k))
     return plan, problems
 
 
@@ -424,22 +416,27 @@ STATIC_PROBLEMS = FLAG_NAMES + ("segments", "float01")
 def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int) -> VarlenPlan:
     """The static plan whose tensors :func:`static_plan_tensors` put in one int64 vector."""
     rq, rk = batch * seqlen_q, batch * seqlen_k
-    parts = torch.split(tensors, [rq, rq, rq, rk, rk, rk, batch + 1, batch + 1])
-    pq, iq, vq, pk, ik, vk, cq, ck = parts
-    return VarlenPlan(
-        batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, packable=True, device=tensors.device,
-        cu_seqlens_q=cq.to(torch.int32), cu_seqlens_k=ck.to(torch.int32), indices_q=pq, indices_k=pk,
-        max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, total_q=rq, total_k=rk,
-        inverse_q=iq, inverse_k=ik, padding_q=vq == 0, padding_k=vk == 0, static=True,
-    )
+    pq, iq, cq, pk, ik, ck = torch.split(tensors, [rq, rq, batch + 1, rk, rk, batch + 1])
+    return _static_plan(batch, seqlen_q, seqlen_k, pq, iq, cq.to(torch.int32), pk, ik, ck.to(torch.int32))
 
 
 def static_plan_tensors(plan: VarlenPlan) -> torch.Tensor:
-    """A static plan's device tensors in one int64 vector (a custom op returns it for its
-    backward to rebuild the plan from, with :func:`static_plan_of`)."""
-    return torch.cat([plan.indices_q, plan.inverse_q, (~plan.padding_q).to(torch.int64), plan.indices_k,
-                      plan.inverse_k, (~plan.padding_k).to(torch.int64), plan.cu_seqlens_q.to(torch.int64),
-                      plan.cu_seqlens_k.to(torch.int64)])
+    """A static plan's order, inverse and cu_seqlens in one int64 vector (a custom op returns it
+    for its backward to rebuild the plan from, with :func:`static_plan_of`)."""
+    return torch.cat([plan.indices_q, plan.inverse_q, plan.cu_seqlens_q.to(torch.int64),
+                      plan.indices_k, plan.inverse_k, plan.cu_seqlens_k.to(torch.int64)])
+
+
+def _static_plan(batch, sq, sk, perm_q, inv_q, cu_q, perm_k, inv_k, cu_k) -> VarlenPlan:
+    """The static plan of these orders; a padded position is padding where its packed row lies
+    past the last segment (no host read)."""
+    return VarlenPlan(
+        batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=True, device=perm_q.device,
+        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, indices_q=perm_q, indices_k=perm_k,
+        max_seqlen_q=sq, max_seqlen_k=sk, total_q=batch * sq, total_k=batch * sk,
+        inverse_q=inv_q, inverse_k=inv_k, padding_q=inv_q >= cu_q[-1], padding_k=inv_k >= cu_k[-1],
+        static=True,
+    )
 
 
 def _static_side(valid: torch.Tensor):
