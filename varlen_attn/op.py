@@ -151,8 +151,8 @@ def _(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, stri
 
 
 def _cuda_graphs_requested() -> bool:
-    """Inductor is compiling this graph with CUDA graphs (mode="reduce-overhead"): its options
-    are patched in while AOTAutograd runs the fake implementations."""
+    """Inductor's config asks for CUDA graphs (mode="reduce-overhead"): its global setting, and
+    while AOTAutograd runs the fake implementations also the compile's options, patched in."""
     config = sys.modules.get("torch._inductor.config")
     return bool(config is not None and config.triton.cudagraphs)
 
@@ -272,8 +272,7 @@ def _cuda_graphs_traced() -> bool:
             return bool(options["triton.cudagraphs"])  # the compile's own options win
         backend = next((w for w in (getattr(backend, a, None) for a in _WRAPPED) if w is not None), None)
         seen += 1
-    config = sys.modules.get("torch._inductor.config")
-    return bool(config is not None and config.triton.cudagraphs)
+    return _cuda_graphs_requested()  # no option of this compile says: inductor's global config
 
 
 # Where a compiler wrapper keeps what it wraps: functools-style, dynamo's WrapBackendDebug,
