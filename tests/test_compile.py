@@ -350,3 +350,28 @@ def test_cuda_graph_detection_lets_the_compiles_own_options_win(monkeypatch):
     with inductor_config.patch({"triton.cudagraphs": True}):
         got = torch.compile(layer, fullgraph=True, options={"triton.cudagraphs": False})(q, k, v)
     torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_static_op_passes_opcheck(backend):
+    """torch.library.opcheck on the static op: schema, fake implementation, autograd registration,
+    and outputs equal in eager and under AOTDispatcher (no output depends on what the allocator
+    left: the lse of a route that makes none is zeros)."""
+    keep = torch.arange(S)[None] < torch.tensor([5, 12, 0])[:, None]
+    q, k, v = _qkv(3)
+    torch.library.opcheck(torch.ops.varlen_attn.static_attention.default,
+                          (q, k, v, keep, None, False, backend, False, "model", "bool", False))
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_compiled_op_lse_does_not_hold_stale_memory(backend):
+    """The plan-reading op's lse output is zeros where no kernel wrote it (its third output, a
+    handle into the plan registry, differs per call by design, so opcheck cannot compare it): a
+    freed NaN buffer of the lse's size is what the allocator hands back next."""
+    keep = torch.arange(S)[None] < torch.tensor([5, 12, 0])[:, None]
+    q, k, v = _qkv(4, requires_grad=False)
+    for _ in range(3):
+        torch.full((H, B * S), float("nan"), dtype=torch.float32)  # made and freed right away
+        lse = torch.ops.varlen_attn.attention(q, k, v, keep, None, [], "", None, False, False, backend, False,
+                                              "model", "bool", False)[1]
+        assert torch.equal(lse, torch.zeros_like(lse)), lse

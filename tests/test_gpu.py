@@ -203,3 +203,23 @@ def test_static_plans_with_empty_elements_on_cuda(backend, lengths):
         baseline = run_with_grads(sdpa(mask.to(dev)), case, torch.bfloat16, dev)
     got = run_with_grads(ours, case, torch.bfloat16, dev)
     assert_matches(got, ref, baseline, torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", [b for b in kernels.PRIORITY["cuda_sm90"] if kernels.BACKENDS[b].STATIC_PLANS
+                                     and b != "reference"])
+def test_static_op_lse_is_zero_past_the_valid_rows_on_cuda(backend):
+    """The static op's lse (an output, saved for the backward) is the kernel's over the valid
+    packed rows and zeros past them, where the kernel leaves what the allocator held: a freed NaN
+    buffer of its size comes back first."""
+    if not _installed(backend):
+        pytest.skip(f"backend {backend!r} is not installed here")
+    dev = torch.device("cuda")
+    lengths, s, h, d = (5, 0, 90), 128, 4, 64
+    keep = (torch.arange(s)[None] < torch.tensor(lengths)[:, None]).to(dev)
+    g = torch.Generator(device=dev).manual_seed(0)
+    q, k, v = (torch.randn(len(lengths), s, h, d, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    torch.full((h, len(lengths) * s), float("nan"), device=dev)  # made and freed right away
+    _, lse, _ = va.op.static_attention_op(q, k, v, keep, None, False, backend, False, "model", "bool", False)
+    total = sum(lengths)
+    assert torch.isfinite(lse[:, :total]).all(), lse
+    assert torch.equal(lse[:, total:], torch.zeros_like(lse[:, total:])), lse

@@ -125,11 +125,16 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
                             roots=roots, derivation=derivation)
         mask4 = execution.mask4_of(mask, q, k, convention)
         r = execution.route(q, k, v, plan, mask4, opts, policy)
-        lse_buf = q.new_empty((h, b * sq), dtype=torch.float32)
+        # The lse output is zero past the plan's rows and on routes that make none: an op's outputs
+        # must not depend on what the allocator left (torch.library.opcheck compares them).
         if r.fused:
             out, lse = execution.forward_lse(q, k, v, plan, r, opts)
+            lse_buf = q.new_empty((h, b * sq), dtype=torch.float32)
             lse_buf[:, : plan.total_q] = lse
+            if plan.total_q < b * sq:
+                lse_buf[:, plan.total_q:] = 0
         else:
+            lse_buf = q.new_zeros((h, b * sq), dtype=torch.float32)
             with torch.no_grad():
                 out = execution.run(q, k, v, plan, mask4, r, opts)
         return out.contiguous(), lse_buf, _hold((plan, r, mask4, opts))
@@ -376,10 +381,13 @@ def static_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: Op
         r = execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model))
         if r.fused:
             out, lse = execution.forward_lse(q, k, v, plan, r, opts)
+            # Rows past cu_seqlens[-1] hold what the kernel left there: zeroed, as above.
+            past = torch.arange(lse.shape[-1], device=lse.device) >= plan.cu_seqlens_q[-1]
+            lse = lse.masked_fill(past, 0)
         else:
             with torch.no_grad():
                 out = execution.run(q, k, v, plan, None, r, opts)
-            lse = q.new_empty((q.shape[2], plan.total_q), dtype=torch.float32)
+            lse = q.new_zeros((q.shape[2], plan.total_q), dtype=torch.float32)
         return out.contiguous(), lse, static_plan_tensors(plan)
 
 
