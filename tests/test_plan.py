@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import assume, given, note
+from hypothesis import strategies as st
 
 import varlen_attn as va
 from _testing import PACKABLE_KINDS, UNPACKABLE_KINDS, CountSyncs, cases, effective_keep, is_segment_pattern
@@ -242,3 +243,26 @@ def test_plan_copies_and_pickles_are_plans_of_their_own():
         for name in ("cu_seqlens_q", "cu_seqlens_k", "indices_q", "indices_k", "inverse_q", "padding_k"):
             assert torch.equal(getattr(other, name), getattr(plan, name)), name
         assert torch.equal(va.attention(q, k, v, plan=other), want)
+
+
+def _valid_grids():
+    return st.integers(1, 5).flatmap(lambda b: st.integers(1, 9).flatmap(
+        lambda s: st.lists(st.booleans(), min_size=b * s, max_size=b * s).map(
+            lambda bits: torch.tensor(bits).view(b, s))))
+
+
+@given(valid=_valid_grids())
+def test_static_order_is_valid_rows_by_element_then_padding(valid):
+    """A static plan's order (plan._static_side, counted rather than sorted): every valid position
+    of element 0 in order, then element 1's, ..., then every padding position in order; the
+    inverse inverts it and cu_seqlens counts each element's valid positions."""
+    from varlen_attn.plan import _static_side
+
+    b, s = valid.shape
+    flat = valid.reshape(-1).tolist()
+    want = [i for i in range(b * s) if flat[i]] + [i for i in range(b * s) if not flat[i]]
+    order, inverse, cu = _static_side(valid)
+    assert order.tolist() == want
+    assert torch.equal(order[inverse], torch.arange(b * s))
+    counts = valid.sum(1).tolist()
+    assert cu.tolist() == [sum(counts[:i]) for i in range(b + 1)]
