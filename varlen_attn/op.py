@@ -110,7 +110,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
                  backend: str, strict: bool, convention: str, float_mask: str,
                  model: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Padded ``[B, S, H, D]`` q, k, v -> ``(out [B, Sq, Hq, Dv], lse [Hq, B*Sq] float32,
-    handle)``; lse is filled (its first ``total_q`` columns) only for fused routes."""
+    handle)``; lse holds the kernel's values in its first ``total_q`` columns on fused routes and
+    zeros elsewhere."""
     with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
         b, sq, h, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
         policy = Policy(backend, strict, float_mask, model)
