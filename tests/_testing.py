@@ -153,6 +153,17 @@ def run_with_grads(fn, case: Case, dtype: torch.dtype, device="cpu"):
     return [t.cpu() for t in (out.detach(), q.grad, k.grad, v.grad)]
 
 
+def static_attention(q, k, v, mask, *, backend="reference", convention="torch", gqa=False):
+    """``(out, lse)`` of the path CUDA graphs capture (``varlen_attn.op.static_attention``: the
+    plan built from the mask with no host read, then the op) on padded ``[B, S, H, D]`` tensors,
+    with ``float_mask="bool"``."""
+    import varlen_attn as va
+
+    return va.op.static_attention(q, k, v, mask, convention=convention,
+                                  opts=va.execution.Options(None, False, 0.0, gqa),
+                                  policy=va.scope.Policy(backend, False, "bool", False))
+
+
 def sdpa_fn(case: Case, mask_dtype: torch.dtype, exact: bool = False, device="cpu"):
     """SDPA with the case's mask; ``exact=True`` uses the mask's meaning as a bool mask instead,
     which avoids SDPA's rounding of ``score - 10000`` in rows where every key is masked."""

@@ -219,11 +219,11 @@ def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, monk
 
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(checkpointing, monkeypatch):
-    """Under CUDA graphs attention is traced to the static op (varlen_attn.op, "Under CUDA
-    graphs"): its plan comes from the mask alone with shapes fixed by B and S, so a replayed graph
-    recomputes it for each new mask. Equal to eager stock for a new mask each step, every
-    attention call built its own plan, and the only host reads are the checks outside capture,
-    one per call (during capture they are device asserts)."""
+    """Under CUDA graphs attention is traced to a plan built in the graph and the static op
+    (varlen_attn.op, "Under CUDA graphs"): the plan comes from the mask alone with shapes fixed by
+    B and S, so a replayed graph recomputes it for each new mask. Equal to eager stock for a new
+    mask each step, no plan is built on the host, and the only host reads are the op's checks
+    outside capture, one per call (during capture they are device asserts)."""
     import torch._inductor.config as inductor_config
     from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 
@@ -241,24 +241,36 @@ def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(c
         with inductor_config.patch({"triton.cudagraphs": True}):
             got = step(model, inputs)
         st = va.stats()
-        assert st["plan_builds"] == calls and st["host_syncs"] == calls, (lengths, st)
+        assert st["plan_builds"] == 0 and st["host_syncs"] == calls, (lengths, st)
         assert st["backends"] == {"reference": calls} and not st["fallbacks"], st
         assert_model_close(got, step(stock, inputs), what=f"{lengths}")
     assert counters["stats"]["unique_graphs"] == 2, "a new mask recompiled"
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_a_whole_model_compiled_for_cuda_graphs_equals_stock(monkeypatch):
+def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(monkeypatch):
     """The whole enabled model compiled under CUDA graphs (the CPU stands in for CUDA, as above):
-    the forward's masks reach the static op inside the one graph, and every step equals eager
-    stock."""
+    the forward's masks reach the static op inside the one graph, every step equals eager stock,
+    and the graph plans the mask once for all its attention layers (every layer derives the same
+    mask, and the plan is built in the graph, where AOTAutograd merges equal subexpressions)."""
     import torch._inductor.config as inductor_config
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
     from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 
     monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
     stock = tiny_chroma()
     model = va.enable_varlen(tiny_chroma())
-    compiled = torch.compile(model, backend="aot_eager")
+    plans_per_graph = []
+
+    def forward_compiler(gm, _inputs):
+        ops = [n for n in gm.graph.nodes if n.target is torch.ops.varlen_attn.static_attention.default]
+        plans_per_graph.append((len(ops), len({n.args[3] for n in ops})))
+        return gm
+
+    # Inductor's partitioner, which merges equal subexpressions.
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _: gm,
+                                                         partition_fn=min_cut_rematerialization_partition))
     for i, lengths in enumerate([(5, 2, 0), (0, 0, 0)]):
         inputs = chroma_inputs(lengths, seed=i)
         va.reset_stats()
@@ -268,6 +280,30 @@ def test_a_whole_model_compiled_for_cuda_graphs_equals_stock(monkeypatch):
         assert st["backends"] == {"reference": CHROMA_ATTN_LAYERS} and not st["fallbacks"], st
         grads = {name.replace("_orig_mod.", ""): g for name, g in grads.items()}
         assert_model_close((out, grads), step(stock, inputs), what=f"{lengths}")
+    assert plans_per_graph == [(CHROMA_ATTN_LAYERS, 1)], plans_per_graph
+
+
+def test_cuda_graph_path_with_dynamic_shapes_compiles_once(monkeypatch):
+    """The traced CUDA-graph path under ``dynamic=True``: the sequence length is a symbol, the
+    plan is built in the graph for each length (no recompilation), and each result equals SDPA.
+    (A mask description formatted while tracing failed on the symbolic shape.)"""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
+
+    def layer(q, m):
+        return va.scaled_dot_product_attention(q, q, q, attn_mask=m[:, None, None, :])
+
+    cnt = dynamo_testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=cnt, dynamic=True)
+    for s in (12, 20, 28):
+        q = torch.randn(B, H, s, D, dtype=torch.float64)
+        m = torch.arange(s)[None] < torch.tensor([5, s, 0])[:, None]
+        with inductor_config.patch({"triton.cudagraphs": True}):
+            got = compiled(q, m)
+        want = F.scaled_dot_product_attention(q, q, q, attn_mask=m[:, None, None, :])
+        torch.testing.assert_close(got, want.nan_to_num(0.0), rtol=0, atol=1e-12)
+    assert cnt.frame_count == 1, "a new length recompiled"
 
 
 def test_masks_cuda_graphs_cannot_run_are_refused_clearly(monkeypatch):
@@ -359,8 +395,10 @@ def test_static_op_passes_opcheck(backend):
     left: the lse of a route that makes none is zeros)."""
     keep = torch.arange(S)[None] < torch.tensor([5, 12, 0])[:, None]
     q, k, v = _qkv(3)
+    plan, problems = va.plan.static_plan_tensors_of(keep[:, None, None, :], batch=B, seqlen_q=S, seqlen_k=S)
     torch.library.opcheck(torch.ops.varlen_attn.static_attention.default,
-                          (q, k, v, keep, None, False, backend, False, "model", "bool", False))
+                          (q, k, v, plan, problems, str(keep.dtype), [B, 1, 1, S], None, False, backend, False, "bool",
+                           False))
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import varlen_attn as va
 from _testing import (PACKABLE_KINDS, STATIC_KINDS, UNPACKABLE_KINDS, assert_matches, cases, effective_keep,
-                      is_segment_pattern, one_segment, run_with_grads, sdpa_fn)
+                      is_segment_pattern, one_segment, run_with_grads, sdpa_fn, static_attention)
 
 BACKENDS = ["auto", "reference", "split_sdpa"]
 
@@ -163,9 +163,8 @@ def test_dropin_causal_with_a_plan_aligns_top_left_as_sdpa(case):
 def _static_op(case, backend="reference", model_layout=False):
     def fn(q, k, v):
         mask = case.model_mask if model_layout else case.mask
-        out, _, _ = va.op.static_attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask,
-                                              None, case.gqa, backend, False,
-                                              "model" if model_layout else "torch", "bool", False)
+        out, _ = static_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, backend=backend,
+                                  convention="model" if model_layout else "torch", gqa=case.gqa)
         return out.transpose(1, 2)
     return fn
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import varlen_attn as va
 from _testing import (STATIC_KINDS, assert_matches, cases, effective_keep, is_segment_pattern, one_segment,
-                      run_with_grads, sdpa_fn)
+                      run_with_grads, sdpa_fn, static_attention)
 from varlen_attn import kernels
 
 pytestmark = [
@@ -155,8 +155,8 @@ def test_static_plans_equal_sdpa_on_cuda(backend, case, dtype):
     mask = case.mask.to(dev)
 
     def ours(q, k, v):
-        out, _, _ = va.op.static_attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, None,
-                                              case.gqa, backend, False, "torch", "bool", False)
+        out, _ = static_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, backend=backend,
+                                  gqa=case.gqa)
         return out.transpose(1, 2)
 
     if not one_segment(effective_keep(case)):
@@ -189,8 +189,8 @@ def test_static_plans_with_empty_elements_on_cuda(backend, lengths):
     case.q, case.k, case.v, case.seed = q, k, v, 0
 
     def ours(q, k, v):
-        out, _, _ = va.op.static_attention_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              mask.to(dev), None, False, backend, False, "torch", "bool", False)
+        out, _ = static_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask.to(dev),
+                                  backend=backend)
         return out.transpose(1, 2)
 
     def sdpa(m):
@@ -219,7 +219,7 @@ def test_static_op_lse_is_zero_past_the_valid_rows_on_cuda(backend):
     g = torch.Generator(device=dev).manual_seed(0)
     q, k, v = (torch.randn(len(lengths), s, h, d, generator=g, device=dev, dtype=torch.bfloat16) for _ in range(3))
     torch.full((h, len(lengths) * s), float("nan"), device=dev)  # made and freed right away
-    _, lse, _ = va.op.static_attention_op(q, k, v, keep, None, False, backend, False, "model", "bool", False)
+    _, lse = static_attention(q, k, v, keep, backend=backend, convention="model")
     total = s * sum(n > 0 for n in lengths)  # key padding: every query of an element with a key attends
     assert torch.isfinite(lse[:, :total]).all(), lse
     assert torch.equal(lse[:, total:], torch.zeros_like(lse[:, total:])), lse

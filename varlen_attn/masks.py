@@ -115,8 +115,9 @@ def canonical_mask(
     return m
 
 
-def analyze(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int) -> MaskAnalysis:
-    """Read a ``[B|1, H|1, Sq|1, Sk]`` mask as segments (see the module docstring). No sync."""
+def _keep(mask4: torch.Tensor):
+    """``(keep [B|1, Sq|1, Sk], nan, posinf, bias, per_head)``: which keys each query keeps
+    (head 0's; see the module docstring) and the device flags that reading found."""
     if mask4.dtype == torch.bool:
         keep = mask4
         nan = posinf = bias = torch.zeros((), dtype=torch.bool, device=mask4.device)
@@ -131,8 +132,12 @@ def analyze(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int) -> MaskAnaly
         per_head = (keep != keep[:, :1]).any()
     else:
         per_head = torch.zeros((), dtype=torch.bool, device=mask4.device)
-    keep = keep[:, 0]  # [B|1, Sq|1, Sk]
+    return keep[:, 0], nan, posinf, bias, per_head
 
+
+def analyze(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int) -> MaskAnalysis:
+    """Read a ``[B|1, H|1, Sq|1, Sk]`` mask as segments (see the module docstring). No sync."""
+    keep, nan, posinf, bias, per_head = _keep(mask4)
     seqlen_k = keep.shape[-1]
     row_any = keep.any(dim=-1)
     # argmax returns the first maximal index: the first kept key of each row is its segment id.
@@ -147,3 +152,27 @@ def analyze(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int) -> MaskAnaly
     seg_k = seg_col.expand(batch_size, seqlen_k)
     flags = torch.stack([nan, posinf, bias, per_head, structure]).to(torch.int64)
     return MaskAnalysis(seg_q, seg_k, flags)
+
+
+# Order of read_padding's device flags: a padding mask raises none.
+PADDING_FLAG_NAMES = ("nan", "posinf", "bias", "per_head", "not_padding")
+
+
+def read_padding(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int, seqlen_k: int):
+    """Read a ``[B|1, H|1, Sq|1, Sk]`` mask as a *padding* mask: ``(valid_q [B, Sq], valid_k
+    [B, Sk], flags)``, bool valid positions and int64 flags in :data:`PADDING_FLAG_NAMES` order.
+
+    A padding mask keeps, in each batch element, every valid key for every valid query: it is the
+    outer product of ``valid_q`` (queries that attend a key) and ``valid_k`` (keys some query
+    attends), so one segment per element (:func:`analyze` reads the general case). Key padding,
+    query-and-key padding and diffusers' outer products are; ``not_padding`` flags any other. No
+    sync, and no op beyond elementwise work and reductions over the mask, so a compiler fuses it
+    (the plan CUDA graphs replay is built in the graph: :mod:`varlen_attn.op`)."""
+    keep, nan, posinf, bias, per_head = _keep(mask4)
+    # Dims counted from the front: AOTAutograd's CSE hashes a node's arguments, hash(-1) ==
+    # hash(-2) in CPython, and the colliding second reduction was never merged across layers.
+    valid_q = keep.any(dim=2)  # [B|1, Sq|1]
+    valid_k = keep.any(dim=1)  # [B|1, Sk]
+    not_padding = (keep != (valid_q[..., :, None] & valid_k[..., None, :])).any()
+    flags = torch.stack([nan, posinf, bias, per_head, not_padding]).to(torch.int64)
+    return valid_q.expand(batch_size, seqlen_q), valid_k.expand(batch_size, seqlen_k), flags

@@ -35,9 +35,9 @@ from torch import Tensor
 from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError
 from .execution import Options
-from .plan import (STATIC_PROBLEMS, VarlenPlan, build_static_plan, plan_of_token, read_float01_as_bool, static_plan_of,
-                   static_plan_tensors)
-from .scope import Policy, current_scope, float_mask_read_as_bool, resolve_plan, traced_signature
+from .plan import (STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool, static_plan_of,
+                   static_plan_tensors_of)
+from .scope import Policy, current_scope, float_mask_read_as_bool, mask_info, resolve_plan, traced_signature
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
 # and 2.15; on 2.6 and 2.8 whole-model compile recompiled for every new mask, on 2.5 regional
@@ -246,13 +246,12 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
 # --- Under CUDA graphs -------------------------------------------------------------------------
 # A CUDA graph replays the kernels it recorded, with the arguments they had: the op above, which
 # reads its plan on the host at run time, cannot be in one. When the graph being traced will be
-# captured (torch.compile(mode="reduce-overhead")), attention goes to ``static_attention``
-# instead: it builds its plan inside the op from the mask alone, with no host read and with
-# shapes fixed by B, Sq and Sk (varlen_attn.plan.build_static_plan), and hands the plan's
-# tensors to its backward as an output. Every layer builds its own (no sync, but a full mask
-# analysis per layer: 0.26 ms on an H100 at 512 px, docs/design.md); a replay recomputes it from
-# the new mask.
-
+# captured (torch.compile(mode="reduce-overhead")), attention is traced instead to a plan built in
+# the graph from the mask, with no host read and shapes fixed by B, Sq and Sk
+# (varlen_attn.plan.static_plan_tensors_of), and to ``static_attention``, which runs the kernel on
+# that plan and hands it to its backward. A replay rebuilds the plan from the new mask. Being in
+# the graph, the plan is fused by inductor into a few kernels, and a graph whose layers share a
+# mask (a whole model compiled) plans it once; a graph per block plans it once per block.
 
 # Devices whose graphs CUDA graphs capture (on others inductor skips them, and the compiled op
 # above, with its one plan per step, is the better path). Tests add "cpu" to run this path there.
@@ -318,13 +317,25 @@ def _static_attention(q, k, v, mask, *, plan, convention: str, opts: Options, po
         if mask4.is_floating_point() and policy.float_mask == "bool":
             mask4 = read_float01_as_bool(mask4)[0]  # on the device, as eager reads it
         return execution.masked_sdpa(q, k, v, mask4, opts)
-    out, _, _ = static_attention_op(q, k, v, mask, None if opts.scale is None else float(opts.scale),
-                                    bool(opts.gqa), policy.backend, policy.strict, convention,
-                                    policy.float_mask, policy.model)
-    return out
+    return static_attention(q, k, v, mask, convention=convention, opts=opts, policy=policy)[0]
 
 
-def _checked(problems: Tensor, float_mask: str, mask: Tensor) -> None:
+def static_attention(q, k, v, mask: Tensor, *, convention: str, opts: Options,
+                     policy: Policy) -> tuple[Tensor, Tensor]:
+    """Padded ``[B, S, H, D]`` q, k, v and a padding mask -> ``(out, lse [Hq, B*Sq])``, with no
+    host read while a CUDA graph captures it: the plan from the mask (tensor ops, traced into the
+    graph), then the op on it. ``opts.causal`` and ``opts.dropout_p`` are not read."""
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    plan_tensors, problems = static_plan_tensors_of(execution.mask4_of(mask, q, k, convention), batch=b,
+                                                    seqlen_q=sq, seqlen_k=sk,
+                                                    float01_as_bool=policy.float_mask != "bias")
+    # The mask's shape goes as ints, formatted at run time: under dynamic shapes they are symbols.
+    return static_attention_op(q, k, v, plan_tensors, problems, str(mask.dtype), list(mask.shape),
+                               None if opts.scale is None else float(opts.scale), bool(opts.gqa), policy.backend,
+                               policy.strict, policy.float_mask, policy.model)
+
+
+def _checked(problems: Tensor, float_mask: str, info: str) -> None:
     """Stop where a static plan would be wrong: a host read (a clear error) outside capture, a
     device assert recorded into the graph during capture (a replay with such a mask stops the
     process rather than computing a wrong result)."""
@@ -338,44 +349,36 @@ def _checked(problems: Tensor, float_mask: str, mask: Tensor) -> None:
     for name in ("nan", "posinf"):
         if found[name]:
             raise InputValueError(f"attn_mask must not contain {'NaN' if name == 'nan' else '+inf'} "
-                                  f"(SDPA would return NaN), got a {mask.dtype} mask of shape "
-                                  f"{tuple(mask.shape)} containing it")
-    for name in ("bias", "per_head", "structure", "segments"):
+                                  f"(SDPA would return NaN), got a mask ({info}) containing it")
+    for name in ("bias", "per_head", "not_padding"):
         if found[name]:
             raise BackendUnavailableError(
                 f"under CUDA graphs (torch.compile mode='reduce-overhead') varlen_attn needs a padding "
-                f"mask, one segment per batch element; got a {mask.dtype} mask of shape {tuple(mask.shape)} "
-                f"that is not ({_STATIC_WHY[name]}): compile with mode=None "
+                f"mask, one segment per batch element; got a mask ({info}) that is not "
+                f"({_STATIC_WHY[name]}): compile with mode=None "
                 f"or 'max-autotune-no-cudagraphs' (then it runs on masked SDPA with the reason recorded), "
                 f"or disable varlen_attn"
             )
     if found["float01"]:
-        float_mask_read_as_bool(float_mask, mask)
+        float_mask_read_as_bool(float_mask, info)
 
 
 _STATIC_WHY = {
     "bias": "an additive bias", "per_head": "different keys per head",
-    "structure": "queries attending overlapping but different key sets",
-    "segments": "several segments in one batch element",
+    "not_padding": "queries attending different key sets, or several segments in one batch element",
 }
 
 
-def _static_plan(q, k, mask, convention: str, float_mask: str) -> VarlenPlan:
-    mask4 = execution.mask4_of(mask, q, k, convention)
-    plan, problems = build_static_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
-                                       float01_as_bool=float_mask != "bias")
-    _checked(problems, float_mask, mask)
-    return plan
-
-
 @torch.library.custom_op("varlen_attn::static_attention", mutates_args=())
-def static_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: Optional[float], gqa: bool,
-                        backend: str, strict: bool, convention: str, float_mask: str,
-                        model: bool) -> tuple[Tensor, Tensor, Tensor]:
-    """Padded q, k, v and the mask -> ``(out, lse [Hq, B*Sq], plan tensors)``; no host read
-    during capture."""
+def static_attention_op(q: Tensor, k: Tensor, v: Tensor, plan_tensors: Tensor, problems: Tensor, mask_dtype: str,
+                        mask_shape: list[int], scale: Optional[float], gqa: bool, backend: str, strict: bool,
+                        float_mask: str, model: bool) -> tuple[Tensor, Tensor]:
+    """Padded q, k, v and a static plan (:func:`varlen_attn.plan.static_plan_tensors_of`, with
+    its ``problems``) -> ``(out, lse [Hq, B*Sq])``; no host read during capture. The mask's
+    dtype and shape name it in errors."""
     with torch._C.DisableTorchFunction():
-        plan = _static_plan(q, k, mask, convention, float_mask)
+        _checked(problems, float_mask, mask_info(mask_dtype, mask_shape))
+        plan = static_plan_of(plan_tensors, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
         opts = Options(scale, False, 0.0, gqa)
         r = execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model))
         if r.fused:
@@ -387,14 +390,13 @@ def static_attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: Op
             with torch.no_grad():
                 out = execution.run(q, k, v, plan, None, r, opts)
             lse = q.new_zeros((q.shape[2], plan.total_q), dtype=torch.float32)
-        return out.contiguous(), lse, static_plan_tensors(plan)
+        return out.contiguous(), lse
 
 
 @static_attention_op.register_fake
-def _(q, k, v, mask, scale, gqa, backend, strict, convention, float_mask, model):
-    b, sq, hq, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
-    return (q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((hq, b * sq), dtype=torch.float32),
-            q.new_empty((2 * b * sq + 2 * b * sk + 2 * (b + 1),), dtype=torch.int64))
+def _(q, k, v, plan_tensors, problems, mask_dtype, mask_shape, scale, gqa, backend, strict, float_mask, model):
+    b, sq, hq = q.shape[0], q.shape[1], q.shape[2]
+    return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((hq, b * sq), dtype=torch.float32)
 
 
 @torch.library.custom_op("varlen_attn::static_attention_backward", mutates_args=())
@@ -416,18 +418,16 @@ def _(dout, q, k, v, out, lse, plan_tensors, scale, gqa, backend, strict, float_
 
 
 def _static_setup_context(ctx, inputs, output):
-    q, k, v = inputs[:3]
-    out, lse, plan_tensors = output
+    q, k, v, plan_tensors = inputs[:4]
+    out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, plan_tensors)
-    ctx.args = inputs[4:]
+    ctx.args = inputs[7:]
 
 
-def _static_backward(ctx, dout, _dlse, _dplan):
+def _static_backward(ctx, dout, _dlse):
     q, k, v, out, lse, plan_tensors = ctx.saved_tensors
-    scale, gqa, backend, strict, _convention, float_mask, model = ctx.args
-    dq, dk, dv = static_attention_backward_op(dout.contiguous(), q, k, v, out, lse, plan_tensors, scale, gqa,
-                                              backend, strict, float_mask, model)
-    return dq, dk, dv, *(None,) * 8
+    dq, dk, dv = static_attention_backward_op(dout.contiguous(), q, k, v, out, lse, plan_tensors, *ctx.args)
+    return dq, dk, dv, *(None,) * 10
 
 
 static_attention_op.register_autograd(_static_backward, setup_context=_static_setup_context)

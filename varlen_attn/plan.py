@@ -24,7 +24,7 @@ import torch
 
 from . import _stats
 from ._errors import InputTypeError, InputValueError, NotPackableError, describe
-from .masks import FLAG_NAMES, analyze, canonical_mask
+from .masks import FLAG_NAMES, PADDING_FLAG_NAMES, analyze, canonical_mask, read_padding
 
 _REASONS = {
     "bias": (
@@ -387,44 +387,46 @@ def build_static_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_
     capture): every tensor has a shape fixed by ``B``, ``Sq`` and ``Sk`` (see
     :attr:`VarlenPlan.static`), so the same kernels replay for any mask of that shape.
 
-    Such a layout has one segment per batch element, so it fits padding masks: the valid queries
-    of an element attend all its valid keys (key padding, query-and-key padding, diffusers'
-    outer products, additive ``-10000`` / ``-inf`` masks). Whether the mask is one is decided on
-    the device too: returns ``(plan, problems)``, ``problems`` an int64 device vector in
-    :data:`STATIC_PROBLEMS` order, all zero when the plan is exact. The caller checks it (a host
-    read where one is allowed, a device assert under capture)."""
+    Such a layout has one segment per batch element, so it fits padding masks
+    (:func:`varlen_attn.masks.read_padding`): the valid queries of an element attend all its
+    valid keys (key padding, query-and-key padding, diffusers' outer products, additive
+    ``-10000`` / ``-inf`` masks). Whether the mask is one is decided on the device too: returns
+    ``(plan, problems)``, ``problems`` an int64 device vector in :data:`STATIC_PROBLEMS` order,
+    all zero when the plan is exact. The caller checks it (a host read where one is allowed, a
+    device assert under capture)."""
     _stats.record_plan_build()
-    device = mask4.device
-    as_bool = torch.zeros((), dtype=torch.bool, device=device)
+    tensors, problems = static_plan_tensors_of(mask4, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
+                                               float01_as_bool=float01_as_bool)
+    return static_plan_of(tensors, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k), problems
+
+
+# What a static plan's ``problems`` vector reports, in order: the padding reading's flags, then a
+# float 0/1 mask that was read as boolean.
+STATIC_PROBLEMS = PADDING_FLAG_NAMES + ("float01",)
+
+
+def static_plan_tensors_of(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
+                           float01_as_bool: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`build_static_plan`'s work, as tensors: ``(plan tensors, problems)``, the plan's
+    order, inverse and cu_seqlens in one int64 vector (:func:`static_plan_of` reads it).
+
+    Tensor ops only, with no host read and no Python state, so ``torch.compile`` traces it: under
+    CUDA graphs the plan is built in the compiled graph, where inductor fuses the mask reading into
+    a few kernels and a graph that plans one mask for several layers plans it once (common
+    subexpressions)."""
+    as_bool = torch.zeros((), dtype=torch.bool, device=mask4.device)
     if float01_as_bool and mask4.is_floating_point():
         mask4, as_bool = read_float01_as_bool(mask4)
-    a = analyze(mask4, batch_size=batch, seqlen_q=seqlen_q)
-    valid_q, valid_k = a.seg_q >= 0, a.seg_k >= 0
-    # One segment per element: every valid position carries the element's one segment id.
-    top = a.seg_k.amax(dim=-1, keepdim=True)
-    segments = ((valid_k & (a.seg_k != top)).any() | (valid_q & (a.seg_q != top)).any())
-    problems = torch.cat([a.flags, segments.to(torch.int64)[None], as_bool.to(torch.int64)[None]])
-    plan = _static_plan(batch, seqlen_q, seqlen_k, *_static_side(valid_q), *_static_side(valid_k))
-    return plan, problems
-
-
-# What build_static_plan's ``problems`` vector reports, in order: the mask analysis' flags, then
-# more than one segment in an element, then a float 0/1 mask that was read as boolean.
-STATIC_PROBLEMS = FLAG_NAMES + ("segments", "float01")
+    valid_q, valid_k, flags = read_padding(mask4, batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    problems = torch.cat([flags, as_bool.to(torch.int64)[None]])
+    return torch.cat([*_static_side(valid_q), *_static_side(valid_k)]), problems
 
 
 def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int) -> VarlenPlan:
-    """The static plan whose tensors :func:`static_plan_tensors` put in one int64 vector."""
+    """The static plan whose tensors :func:`static_plan_tensors_of` put in one int64 vector."""
     rq, rk = batch * seqlen_q, batch * seqlen_k
     pq, iq, cq, pk, ik, ck = torch.split(tensors, [rq, rq, batch + 1, rk, rk, batch + 1])
     return _static_plan(batch, seqlen_q, seqlen_k, pq, iq, cq.to(torch.int32), pk, ik, ck.to(torch.int32))
-
-
-def static_plan_tensors(plan: VarlenPlan) -> torch.Tensor:
-    """A static plan's order, inverse and cu_seqlens in one int64 vector (a custom op returns it
-    for its backward to rebuild the plan from, with :func:`static_plan_of`)."""
-    return torch.cat([plan.indices_q, plan.inverse_q, plan.cu_seqlens_q.to(torch.int64),
-                      plan.indices_k, plan.inverse_k, plan.cu_seqlens_k.to(torch.int64)])
 
 
 def _static_plan(batch, sq, sk, perm_q, inv_q, cu_q, perm_k, inv_k, cu_k) -> VarlenPlan:
@@ -440,20 +442,20 @@ def _static_plan(batch, sq, sk, perm_q, inv_q, cu_q, perm_k, inv_k, cu_k) -> Var
 
 
 def _static_side(valid: torch.Tensor):
-    """``valid [B, S]`` -> (order, inverse, cu_seqlens): the valid positions of each element in
-    order, elements in batch order, then every padding position; no host read.
+    """``valid [B, S]`` -> (order, inverse, cu_seqlens), all int64: the valid positions of each
+    element in order, elements in batch order, then every padding position; no host read.
 
     Each position's packed row is counted, not sorted for: a valid one goes to its element's
     start plus the valid positions before it in the row, a padding one past every valid row plus
     the padding positions before it. (A stable sort of the bins took 16 radix passes, 62 of a
     plan's 330 us on an H100: benchmarks/NOTES.md, entry 12.)"""
     b, s = valid.shape
-    cu = _cu(valid.sum(dim=1, dtype=torch.int32))
-    wide = cu.to(torch.int64)
+    cu = torch.nn.functional.pad(valid.sum(dim=1).cumsum(0), (1, 0))
     before_valid = valid.to(torch.int64).cumsum(dim=1) - 1
     before_padding = (~valid).reshape(-1).to(torch.int64).cumsum(dim=0).view(b, s) - 1
-    inverse = torch.where(valid, wide[:-1, None] + before_valid, wide[-1] + before_padding).reshape(-1)
-    order = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(b * s, device=valid.device))
+    inverse = torch.where(valid, cu[:-1, None] + before_valid, cu[-1] + before_padding).reshape(-1)
+    # Into zeros, not empty: compilers merge equal subexpressions but never two torch.empty.
+    order = torch.zeros_like(inverse).scatter_(0, inverse, torch.arange(b * s, device=valid.device))
     return order, inverse, cu
 
 

@@ -430,15 +430,21 @@ def resolve_plan(
         if pkey is not None:
             scope.plans[pkey] = found
     if found.read_as_bool:
-        float_mask_read_as_bool(policy.float_mask, mask)
+        float_mask_read_as_bool(policy.float_mask, mask_info(mask.dtype, mask.shape))
     return found
 
 
-def float_mask_read_as_bool(policy: str, mask: torch.Tensor) -> None:
-    """A float 0/1 mask was read as boolean: raise under ``float_mask="error"``, else warn once."""
+def mask_info(dtype, shape) -> str:
+    """How errors name a mask: ``"dtype torch.float32, shape (3, 1, 12, 12)"``."""
+    return f"dtype {dtype}, shape {tuple(shape)}"
+
+
+def float_mask_read_as_bool(policy: str, info: str) -> None:
+    """A float 0/1 mask (``info``: :func:`mask_info`) was read as boolean: raise under
+    ``float_mask="error"``, else warn once."""
     if policy == "error":
         raise InputTypeError(
-            f"a float 0/1 attention mask (dtype {mask.dtype}, shape {tuple(mask.shape)}) reached "
+            f"a float 0/1 attention mask ({info}) reached "
             f"attention and float_mask='error'; pass a bool mask (True = keep), or choose "
             f"float_mask='bool' (read as keep-mask) or 'bias' (SDPA's additive reading)"
         )
