@@ -264,8 +264,10 @@ def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(monk
     plans_per_graph = []
 
     def forward_compiler(gm, _inputs):
+        # (attention ops, distinct plans they take, the plans' own scatters: one per side)
         ops = [n for n in gm.graph.nodes if n.target is torch.ops.varlen_attn.static_attention.default]
-        plans_per_graph.append((len(ops), len({n.args[3] for n in ops})))
+        scatters = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scatter.src]
+        plans_per_graph.append((len(ops), len({n.args[3] for n in ops}), len(scatters)))
         return gm
 
     # Inductor's partitioner, which merges equal subexpressions.
@@ -280,7 +282,7 @@ def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(monk
         assert st["backends"] == {"reference": CHROMA_ATTN_LAYERS} and not st["fallbacks"], st
         grads = {name.replace("_orig_mod.", ""): g for name, g in grads.items()}
         assert_model_close((out, grads), step(stock, inputs), what=f"{lengths}")
-    assert plans_per_graph == [(CHROMA_ATTN_LAYERS, 1)], plans_per_graph
+    assert plans_per_graph == [(CHROMA_ATTN_LAYERS, 1, 2)], plans_per_graph
 
 
 def test_cuda_graph_path_with_dynamic_shapes_compiles_once(monkeypatch):
@@ -299,8 +301,10 @@ def test_cuda_graph_path_with_dynamic_shapes_compiles_once(monkeypatch):
     for s in (12, 20, 28):
         q = torch.randn(B, H, s, D, dtype=torch.float64)
         m = torch.arange(s)[None] < torch.tensor([5, s, 0])[:, None]
+        va.reset_stats()
         with inductor_config.patch({"triton.cudagraphs": True}):
             got = compiled(q, m)
+        assert va.stats()["plan_builds"] == 0, "the plan was not built in the graph"
         want = F.scaled_dot_product_attention(q, q, q, attn_mask=m[:, None, None, :])
         torch.testing.assert_close(got, want.nan_to_num(0.0), rtol=0, atol=1e-12)
     assert cnt.frame_count == 1, "a new length recompiled"
@@ -397,7 +401,7 @@ def test_static_op_passes_opcheck(backend):
     q, k, v = _qkv(3)
     plan, problems = va.plan.static_plan_tensors_of(keep[:, None, None, :], batch=B, seqlen_q=S, seqlen_k=S)
     torch.library.opcheck(torch.ops.varlen_attn.static_attention.default,
-                          (q, k, v, plan, problems, str(keep.dtype), [B, 1, 1, S], None, False, backend, False, "bool",
+                          (q, k, v, plan, problems, str(keep.dtype), list(keep.shape), None, False, backend, False, "bool",
                            False))
 
 

@@ -10,7 +10,8 @@ from hypothesis import assume, given, note
 from hypothesis import strategies as st
 
 import varlen_attn as va
-from _testing import PACKABLE_KINDS, UNPACKABLE_KINDS, CountSyncs, cases, effective_keep, is_segment_pattern
+from _testing import (PACKABLE_KINDS, UNPACKABLE_KINDS, CountSyncs, cases, effective_keep, is_segment_pattern,
+                      one_segment)
 
 ALL_KINDS = PACKABLE_KINDS + UNPACKABLE_KINDS
 
@@ -266,3 +267,27 @@ def test_static_order_is_valid_rows_by_element_then_padding(valid):
     assert torch.equal(order[inverse], torch.arange(b * s))
     counts = valid.sum(1).tolist()
     assert cu.tolist() == [sum(counts[:i]) for i in range(b + 1)]
+
+
+@given(case=cases(kinds=tuple(k for k in ALL_KINDS if k != "bias01")))
+def test_padding_reading_matches_bruteforce_oracle(case):
+    """masks.read_padding, the reading static plans are built from: a mask passes (no flag) iff
+    every head is equal and each element's query rows that attend something attend the same keys
+    (the brute-force oracle), and then its valid queries and keys are the rows and columns that
+    keep anything. (Float 0/1 biases are the general reading's, tested above.)"""
+    from varlen_attn.masks import PADDING_FLAG_NAMES, canonical_mask, read_padding
+
+    note(repr(case))
+    if case.mask is None:
+        return
+    b, hq, sq, _ = case.q.shape
+    sk = case.k.shape[2]
+    mask4 = canonical_mask(case.mask, batch_size=b, num_heads=hq, seqlen_q=sq, seqlen_k=sk, convention="torch")
+    valid_q, valid_k, flags = read_padding(mask4, batch_size=b, seqlen_q=sq, seqlen_k=sk)
+    flags = dict(zip(PADDING_FLAG_NAMES, flags.tolist()))
+    keep = effective_keep(case)
+    assert flags["nan"] == flags["posinf"] == flags["bias"] == 0, flags
+    assert flags["per_head"] == int(not bool((keep == keep[:, :1]).all())), flags
+    assert (sum(flags.values()) == 0) == one_segment(keep), flags
+    if one_segment(keep):
+        assert torch.equal(valid_q, keep[:, 0].any(dim=-1)) and torch.equal(valid_k, keep[:, 0].any(dim=-2))

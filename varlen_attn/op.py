@@ -1,8 +1,8 @@
-"""Attention under ``torch.compile``: one custom op, opaque to dynamo and inductor.
+"""Attention under ``torch.compile``: custom ops, opaque to dynamo and inductor.
 
 Under compilation the functional entries (and through them ``enable_varlen``'s SDPA hook) call
-:func:`attention`, which calls ``torch.ops.varlen_attn.attention``. Everything data-dependent
-happens inside the op, at run time, through the same code as the eager path: the plan
+:func:`attention`, which calls ``torch.ops.varlen_attn.attention`` (under CUDA graphs another
+path, below: "Under CUDA graphs"). Everything data-dependent happens inside that op, at run time, through the same code as the eager path: the plan
 (:func:`varlen_attn.scope.resolve_plan`, or a prebuilt plan named by its ``token``), the route
 and its execution (:mod:`varlen_attn.execution`). The graph sees only padded tensors in and
 out, with fixed shapes, so:
@@ -250,8 +250,10 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
 # the graph from the mask, with no host read and shapes fixed by B, Sq and Sk
 # (varlen_attn.plan.static_plan_tensors_of), and to ``static_attention``, which runs the kernel on
 # that plan and hands it to its backward. A replay rebuilds the plan from the new mask. Being in
-# the graph, the plan is fused by inductor into a few kernels, and a graph whose layers share a
-# mask (a whole model compiled) plans it once; a graph per block plans it once per block.
+# the graph, the plan is fused by inductor into a few kernels; a training graph whose layers share
+# a mask (a whole model compiled) plans it once (AOTAutograd merges equal subexpressions in the
+# joint forward-backward graph only: an inference graph plans per layer); a graph per block plans
+# once per block.
 
 # Devices whose graphs CUDA graphs capture (on others inductor skips them, and the compiled op
 # above, with its one plan per step, is the better path). Tests add "cpu" to run this path there.
@@ -418,16 +420,17 @@ def _(dout, q, k, v, out, lse, plan_tensors, scale, gqa, backend, strict, float_
 
 
 def _static_setup_context(ctx, inputs, output):
-    q, k, v, plan_tensors = inputs[:4]
+    q, k, v, plan_tensors, _problems, _mask_dtype, _mask_shape, *backward_args = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, plan_tensors)
-    ctx.args = inputs[7:]
+    ctx.args = backward_args  # scale, gqa, backend, strict, float_mask, model: the backward op's tail
+    ctx.inputs = len(inputs)
 
 
 def _static_backward(ctx, dout, _dlse):
     q, k, v, out, lse, plan_tensors = ctx.saved_tensors
     dq, dk, dv = static_attention_backward_op(dout.contiguous(), q, k, v, out, lse, plan_tensors, *ctx.args)
-    return dq, dk, dv, *(None,) * 10
+    return dq, dk, dv, *(None,) * (ctx.inputs - 3)
 
 
 static_attention_op.register_autograd(_static_backward, setup_context=_static_setup_context)

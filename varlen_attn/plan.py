@@ -65,7 +65,8 @@ class VarlenPlan:
         inverse_q/k, padding_q/k: padded position -> packed row (0 for padding) and the padding
             positions, int64 on the device, so unpacking is a gather plus a fill of the padding.
             In a static plan ``padding_q/k`` is a bool mask over the padded positions instead.
-        static: True for a plan built with no host read (:func:`build_static_plan`): the packed
+        static: True for a plan built with no host read (:func:`static_plan_tensors_of`, read by
+            :func:`static_plan_of`; :func:`build_static_plan` does both): the packed
             tensors keep all ``B*S`` rows, valid tokens first (segments in batch order), the
             padding after ``cu_seqlens[-1]`` where no kernel reads it; ``max_seqlen_q/k`` are the
             bounds ``Sq``/``Sk``, ``total_q/k`` are ``B*Sq``/``B*Sk``, and no segment length is on
@@ -412,8 +413,8 @@ def static_plan_tensors_of(mask4: torch.Tensor, *, batch: int, seqlen_q: int, se
 
     Tensor ops only, with no host read and no Python state, so ``torch.compile`` traces it: under
     CUDA graphs the plan is built in the compiled graph, where inductor fuses the mask reading into
-    a few kernels and a graph that plans one mask for several layers plans it once (common
-    subexpressions)."""
+    a few kernels, and a training graph that plans one mask for several layers plans it once
+    (AOTAutograd merges common subexpressions of the joint forward-backward graph)."""
     as_bool = torch.zeros((), dtype=torch.bool, device=mask4.device)
     if float01_as_bool and mask4.is_floating_point():
         mask4, as_bool = read_float01_as_bool(mask4)
