@@ -206,6 +206,14 @@ def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, monk
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+@pytest.fixture
+def cpu_as_cuda(monkeypatch):
+    """The CPU stands in for CUDA: "cpu" is admitted to the devices whose graphs CUDA graphs
+    capture, so the traced path they take (varlen_attn.op, "Under CUDA graphs") runs there
+    (nothing is captured on the CPU)."""
+    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
+
+
 # The CPU stands in for CUDA in the next two tests (CUDA graphs capture nothing there, so the
 # traced path runs with "cpu" admitted to the captured devices). They trace with aot_eager under
 # inductor's global CUDA-graph flag, the setting mode="reduce-overhead" turns on: dynamo and
@@ -218,7 +226,7 @@ def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, monk
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
-def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(checkpointing, monkeypatch):
+def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(checkpointing, cpu_as_cuda):
     """Under CUDA graphs attention is traced to a plan built in the graph and the static op
     (varlen_attn.op, "Under CUDA graphs"): the plan comes from the mask alone with shapes fixed by
     B and S, so a replayed graph recomputes it for each new mask. Equal to eager stock for a new
@@ -227,7 +235,6 @@ def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(c
     import torch._inductor.config as inductor_config
     from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 
-    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
     stock = tiny_chroma()
     model = va.enable_varlen(tiny_chroma())
     if checkpointing:
@@ -248,7 +255,7 @@ def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(c
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
-def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(monkeypatch):
+def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(cpu_as_cuda):
     """The whole enabled model compiled under CUDA graphs (the CPU stands in for CUDA, as above):
     the forward's masks reach the static op inside the one graph, every step equals eager stock,
     and the graph plans the mask once for all its attention layers (every layer derives the same
@@ -258,7 +265,6 @@ def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(monk
     from torch._functorch.partitioners import min_cut_rematerialization_partition
     from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 
-    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
     stock = tiny_chroma()
     model = va.enable_varlen(tiny_chroma())
     plans_per_graph = []
@@ -285,13 +291,12 @@ def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(monk
     assert plans_per_graph == [(CHROMA_ATTN_LAYERS, 1, 2)], plans_per_graph
 
 
-def test_cuda_graph_path_with_dynamic_shapes_compiles_once(monkeypatch):
+def test_cuda_graph_path_with_dynamic_shapes_compiles_once(cpu_as_cuda):
     """The traced CUDA-graph path under ``dynamic=True``: the sequence length is a symbol, the
     plan is built in the graph for each length (no recompilation), and each result equals SDPA.
     (A mask description formatted while tracing failed on the symbolic shape.)"""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
 
     def layer(q, m):
         return va.scaled_dot_product_attention(q, q, q, attn_mask=m[:, None, None, :])
@@ -310,10 +315,9 @@ def test_cuda_graph_path_with_dynamic_shapes_compiles_once(monkeypatch):
     assert cnt.frame_count == 1, "a new length recompiled"
 
 
-def test_masks_cuda_graphs_cannot_run_are_refused_clearly(monkeypatch):
+def test_masks_cuda_graphs_cannot_run_are_refused_clearly(cpu_as_cuda):
     """A mask with two segments in one row (packed sequences) has no static plan: the traced
     path refuses it, naming the modes that run it, instead of computing a wrong result."""
-    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
     q, k, v = _qkv(0)
     seg = torch.tensor([0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1])
     mask = seg[:, None] == seg[None, :]
@@ -328,11 +332,10 @@ def test_masks_cuda_graphs_cannot_run_are_refused_clearly(monkeypatch):
 
 
 @pytest.mark.parametrize("mode", [None, "reduce-overhead"])
-def test_compiled_dropin_on_sdpa_layout_inputs_differentiates(mode, monkeypatch):
+def test_compiled_dropin_on_sdpa_layout_inputs_differentiates(mode, cpu_as_cuda):
     """The drop-in under inductor with q, k, v contiguous in SDPA's [B, H, S, D] layout: the ops
     see transposed [B, S, H, D] views, and their backward's gradients must have the strides the
     fake implementations promised (a stride assertion in the compiled backward failed before)."""
-    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
     proj = torch.nn.Linear(D, D, dtype=torch.float64)
     keep = torch.arange(S)[None] < torch.tensor([5, 12, 1])[:, None]
 
@@ -349,11 +352,10 @@ def test_compiled_dropin_on_sdpa_layout_inputs_differentiates(mode, monkeypatch)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
-def test_cuda_graphs_with_backend_sdpa_read_a_float01_mask_as_eager_does(monkeypatch):
+def test_cuda_graphs_with_backend_sdpa_read_a_float01_mask_as_eager_does(cpu_as_cuda):
     """backend="sdpa" under CUDA graphs runs masked SDPA inside the graph; a float 0/1 mask is
     read there as eager reads it under float_mask="bool" (a keep-mask), on the device, and
     float_mask="error", which needs a host read, is refused clearly."""
-    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
     q, k, v = (t.transpose(1, 2) for t in _qkv(0, requires_grad=False))
     keep = (torch.arange(S)[None] < torch.tensor([5, 12, 1])[:, None]).to(torch.float64)[:, None, None, :]
 
@@ -372,13 +374,12 @@ def test_cuda_graphs_with_backend_sdpa_read_a_float01_mask_as_eager_does(monkeyp
         torch.compile(model, mode="reduce-overhead")(q, k, v, keep)
 
 
-def test_cuda_graph_detection_lets_the_compiles_own_options_win(monkeypatch):
+def test_cuda_graph_detection_lets_the_compiles_own_options_win(cpu_as_cuda):
     """Inductor's global config asks for CUDA graphs, this compile's options turn them off:
     attention is traced to the op that plans on the host (a two-segment mask runs), as inductor
     will compile it without CUDA graphs."""
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(va.op, "CAPTURED_DEVICES", frozenset({"cuda", "cpu"}))
     q, k, v = (t.transpose(1, 2) for t in _qkv(0, requires_grad=False))
     seg = torch.tensor([0] * 5 + [1] * 7)
     mask = seg[:, None] == seg[None, :]
