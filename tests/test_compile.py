@@ -255,6 +255,25 @@ def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(c
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def test_blocks_compiled_for_cuda_graphs_read_a_float01_mask_as_bool(cpu_as_cuda):
+    """Chroma's pipeline passes a float 0/1 mask, which an enabled model reads as a keep-mask
+    (float_mask="bool", the default). Under CUDA graphs the plan built in the graph reads it so
+    on the device: equal to stock given the same mask as bool."""
+    import torch._inductor.config as inductor_config
+    from _models import chroma_inputs, step, tiny_chroma
+
+    stock = tiny_chroma()
+    model = va.enable_varlen(tiny_chroma())
+    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+        block.compile(fullgraph=True, backend="aot_eager")
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+        va.reset_stats()
+        with inductor_config.patch({"triton.cudagraphs": True}):
+            got = step(model, chroma_inputs(lengths, seed=i, mask_dtype=torch.float64))
+        assert va.stats()["plan_builds"] == 0 and not va.stats()["fallbacks"], va.stats()
+        assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
+
+
 def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(cpu_as_cuda):
     """The whole enabled model compiled under CUDA graphs (the CPU stands in for CUDA, as above):
     the forward's masks reach the static op inside the one graph, every step equals eager stock,
