@@ -3,7 +3,7 @@
 Under CUDA graphs each compiled graph builds the static plan of its mask in the graph. This
 times, as CUDA-graph replays (no host time in them), on one shape:
 
-- ``plan, eager kernels``: ``varlen_attn.plan.build_static_plan``, its ops launched one by one;
+- ``plan, eager kernels``: ``varlen_attn.plan.static_plan_tensors_of``, its ops launched one by one;
 - ``plan, compiled``: the same ops (``static_plan_tensors_of``) compiled by inductor, as they run
   inside a graph compiled with ``mode="reduce-overhead"``;
 - ``static fwd, eager kernels`` / ``static fwd, compiled``: the whole forward CUDA graphs run
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 import varlen_attn as va
 from varlen_attn.execution import Options
-from varlen_attn.plan import build_static_plan, static_plan_tensors_of
+from varlen_attn.plan import static_plan_tensors_of
 from varlen_attn.scope import Policy
 
 
@@ -89,8 +89,7 @@ def main() -> None:
                                       policy=Policy(args.backend, False, "bool", False))
 
     rows = {
-        "plan, eager kernels": replay_us(
-            lambda: build_static_plan(mask4, batch=b, seqlen_q=s, seqlen_k=s, float01_as_bool=True), device),
+        "plan, eager kernels": replay_us(plan, device),
         "plan, compiled": replay_us(torch.compile(plan, fullgraph=True), device),
         f"static fwd, eager kernels ({args.backend})": replay_us(forward, device),
         f"static fwd, compiled ({args.backend})": replay_us(torch.compile(forward, fullgraph=True), device),

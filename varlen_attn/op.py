@@ -2,7 +2,8 @@
 
 Under compilation the functional entries (and through them ``enable_varlen``'s SDPA hook) call
 :func:`attention`, which calls ``torch.ops.varlen_attn.attention`` (under CUDA graphs another
-path, below: "Under CUDA graphs"). Everything data-dependent happens inside that op, at run time, through the same code as the eager path: the plan
+path, below: "Under CUDA graphs"). Everything data-dependent happens inside that op, at run
+time, through the same code as the eager path: the plan
 (:func:`varlen_attn.scope.resolve_plan`, or a prebuilt plan named by its ``token``), the route
 and its execution (:mod:`varlen_attn.execution`). The graph sees only padded tensors in and
 out, with fixed shapes, so:
@@ -35,8 +36,8 @@ from torch import Tensor
 from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError
 from .execution import Options
-from .plan import (STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool, static_plan_of,
-                   static_plan_tensors_of)
+from .plan import (REASONS, STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool,
+                   refuse_nan_inf, static_plan_of, static_plan_tensors_of)
 from .scope import Policy, current_scope, float_mask_read_as_bool, mask_info, resolve_plan, traced_signature
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
@@ -337,7 +338,7 @@ def static_attention(q, k, v, mask: Tensor, *, convention: str, opts: Options,
                                policy.strict, policy.float_mask, policy.model)
 
 
-def _checked(problems: Tensor, float_mask: str, info: str) -> None:
+def _checked(problems: Tensor, float_mask: str, mask_dtype: str, mask_shape: list[int]) -> None:
     """Stop where a static plan would be wrong: a host read (a clear error) outside capture, a
     device assert recorded into the graph during capture (a replay with such a mask stops the
     process rather than computing a wrong result)."""
@@ -348,27 +349,24 @@ def _checked(problems: Tensor, float_mask: str, info: str) -> None:
         return
     _stats.record_host_sync()
     found = dict(zip(STATIC_PROBLEMS, problems.tolist()))
-    for name in ("nan", "posinf"):
-        if found[name]:
-            raise InputValueError(f"attn_mask must not contain {'NaN' if name == 'nan' else '+inf'} "
-                                  f"(SDPA would return NaN), got a mask ({info}) containing it")
+    refuse_nan_inf(found, mask_dtype, mask_shape)
     for name in ("bias", "per_head", "not_padding"):
         if found[name]:
             raise BackendUnavailableError(
                 f"under CUDA graphs (torch.compile mode='reduce-overhead') varlen_attn needs a padding "
-                f"mask, one segment per batch element; got a mask ({info}) that is not "
-                f"({_STATIC_WHY[name]}): compile with mode=None "
-                f"or 'max-autotune-no-cudagraphs' (then it runs on masked SDPA with the reason recorded), "
-                f"or disable varlen_attn"
+                f"mask, one segment per batch element; got a mask ({mask_info(mask_dtype, mask_shape)}): "
+                f"{REASONS[name]}. Compile with mode=None or 'max-autotune-no-cudagraphs' (then it runs "
+                f"on masked SDPA with the reason recorded), or disable varlen_attn"
             )
     if found["float01"]:
-        float_mask_read_as_bool(float_mask, info)
+        float_mask_read_as_bool(float_mask, mask_info(mask_dtype, mask_shape))
 
 
-_STATIC_WHY = {
-    "bias": "an additive bias", "per_head": "different keys per head",
-    "not_padding": "queries attending different key sets, or several segments in one batch element",
-}
+def _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask, model):
+    """``(plan, route, opts)`` of the static op's forward and backward, from the plan's tensors."""
+    plan = static_plan_of(plan_tensors, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
+    opts = Options(scale, False, 0.0, gqa)
+    return plan, execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model)), opts
 
 
 @torch.library.custom_op("varlen_attn::static_attention", mutates_args=())
@@ -379,10 +377,8 @@ def static_attention_op(q: Tensor, k: Tensor, v: Tensor, plan_tensors: Tensor, p
     its ``problems``) -> ``(out, lse [Hq, B*Sq])``; no host read during capture. The mask's
     dtype and shape name it in errors."""
     with torch._C.DisableTorchFunction():
-        _checked(problems, float_mask, mask_info(mask_dtype, mask_shape))
-        plan = static_plan_of(plan_tensors, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
-        opts = Options(scale, False, 0.0, gqa)
-        r = execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model))
+        _checked(problems, float_mask, mask_dtype, mask_shape)
+        plan, r, opts = _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask, model)
         if r.fused:
             out, lse = execution.forward_lse(q, k, v, plan, r, opts)
             # Rows past cu_seqlens[-1] hold what the kernel left there: zeroed, as above.
@@ -406,9 +402,7 @@ def static_attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, 
                                  plan_tensors: Tensor, scale: Optional[float], gqa: bool, backend: str,
                                  strict: bool, float_mask: str, model: bool) -> tuple[Tensor, Tensor, Tensor]:
     with torch._C.DisableTorchFunction():
-        plan = static_plan_of(plan_tensors, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
-        opts = Options(scale, False, 0.0, gqa)
-        r = execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model))
+        plan, r, opts = _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask, model)
         if r.fused:
             return _contiguous(execution.backward_native(dout, q, k, v, out, lse, plan, r, opts))
         return _recomputed_grads(dout, q, k, v, plan, None, r, opts)

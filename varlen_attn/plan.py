@@ -26,7 +26,9 @@ from . import _stats
 from ._errors import InputTypeError, InputValueError, NotPackableError, describe
 from .masks import FLAG_NAMES, PADDING_FLAG_NAMES, analyze, canonical_mask, read_padding
 
-_REASONS = {
+# Why a mask cannot be packed, by device flag (masks.FLAG_NAMES, PADDING_FLAG_NAMES): the reason a
+# plan records, and what the CUDA-graph path says when it refuses a mask.
+REASONS = {
     "bias": (
         "attn_mask is an additive bias, not a padding pattern: some values are neither the "
         "row maximum nor at least 1000 below it (a float 0/1 mask, ALiBi or a learned bias)"
@@ -36,7 +38,23 @@ _REASONS = {
         "attn_mask is not a padding/segment pattern: two queries attend overlapping but "
         "different key sets (e.g. causal, sliding-window or arbitrary per-query masks)"
     ),
+    # A static plan's own (masks.read_padding): what it cannot hold, though a dynamic plan may.
+    "not_padding": (
+        "attn_mask is not a padding mask: queries attend different key sets, or an element holds "
+        "several segments"
+    ),
 }
+
+
+def refuse_nan_inf(flags: dict, dtype, shape) -> None:
+    """Raise for a mask whose device flags (read on the host) found NaN or +inf: SDPA would
+    return NaN. ``dtype`` and ``shape`` are the mask's, for the message."""
+    if flags["nan"] or flags["posinf"]:
+        what = "NaN" if flags["nan"] else "+inf"
+        raise InputValueError(
+            f"attn_mask must not contain {what} (SDPA would return NaN), got a "
+            f"{dtype} mask of shape {tuple(shape)} containing {what}"
+        )
 
 
 @dataclass(frozen=True, eq=False)
@@ -66,7 +84,7 @@ class VarlenPlan:
             positions, int64 on the device, so unpacking is a gather plus a fill of the padding.
             In a static plan ``padding_q/k`` is a bool mask over the padded positions instead.
         static: True for a plan built with no host read (:func:`static_plan_tensors_of`, read by
-            :func:`static_plan_of`; :func:`build_static_plan` does both): the packed
+            :func:`static_plan_of`): the packed
             tensors keep all ``B*S`` rows, valid tokens first (segments in batch order), the
             padding after ``cu_seqlens[-1]`` where no kernel reads it; ``max_seqlen_q/k`` are the
             bounds ``Sq``/``Sk``, ``total_q/k`` are ``B*Sq``/``B*Sk``, and no segment length is on
@@ -356,16 +374,11 @@ def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) ->
 
     nflags = len(FLAG_NAMES)
     flags = dict(zip(FLAG_NAMES, host[:nflags]))
-    if flags["nan"] or flags["posinf"]:
-        what = "NaN" if flags["nan"] else "+inf"
-        raise InputValueError(
-            f"attn_mask must not contain {what} (SDPA would return NaN), got a "
-            f"{mask.dtype} mask of shape {tuple(mask.shape)} containing {what}"
-        )
+    refuse_nan_inf(flags, mask.dtype, mask.shape)
     for name in ("bias", "per_head", "structure"):
         if flags[name]:
             return VarlenPlan(batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=False,
-                              reason=_REASONS[name], device=device, read_as_bool=read_as_bool)
+                              reason=REASONS[name], device=device, read_as_bool=read_as_bool)
     aligned = bool(host[nflags])
     hq, hk = host[nflags + 1:nflags + 1 + nbins], host[nflags + 1 + nbins:]
     segs = [i for i in range(nbins) if hk[i]]
@@ -382,25 +395,6 @@ def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) ->
     return dataclasses.replace(plan, read_as_bool=True) if read_as_bool else plan
 
 
-def build_static_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
-                      float01_as_bool: bool = False) -> tuple[VarlenPlan, torch.Tensor]:
-    """A plan from a ``[B|1, H|1, Sq|1, Sk]`` mask with **no host read** (what a CUDA graph can
-    capture): every tensor has a shape fixed by ``B``, ``Sq`` and ``Sk`` (see
-    :attr:`VarlenPlan.static`), so the same kernels replay for any mask of that shape.
-
-    Such a layout has one segment per batch element, so it fits padding masks
-    (:func:`varlen_attn.masks.read_padding`): the valid queries of an element attend all its
-    valid keys (key padding, query-and-key padding, diffusers' outer products, additive
-    ``-10000`` / ``-inf`` masks). Whether the mask is one is decided on the device too: returns
-    ``(plan, problems)``, ``problems`` an int64 device vector in :data:`STATIC_PROBLEMS` order,
-    all zero when the plan is exact. The caller checks it (a host read where one is allowed, a
-    device assert under capture)."""
-    _stats.record_plan_build()
-    tensors, problems = static_plan_tensors_of(mask4, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                                               float01_as_bool=float01_as_bool)
-    return static_plan_of(tensors, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k), problems
-
-
 # What a static plan's ``problems`` vector reports, in order: the padding reading's flags, then a
 # float 0/1 mask that was read as boolean.
 STATIC_PROBLEMS = PADDING_FLAG_NAMES + ("float01",)
@@ -408,8 +402,16 @@ STATIC_PROBLEMS = PADDING_FLAG_NAMES + ("float01",)
 
 def static_plan_tensors_of(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
                            float01_as_bool: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`build_static_plan`'s work, as tensors: ``(plan tensors, problems)``, the plan's
-    order, inverse and cu_seqlens in one int64 vector (:func:`static_plan_of` reads it).
+    """A plan from a ``[B|1, H|1, Sq|1, Sk]`` mask with **no host read** (what a CUDA graph can
+    capture), as tensors: ``(plan tensors, problems)``, the plan's order, inverse and cu_seqlens
+    in one int64 vector (:func:`static_plan_of` reads it). Every shape is fixed by ``B``, ``Sq``
+    and ``Sk`` (see :attr:`VarlenPlan.static`), so the same kernels replay for any mask of that
+    shape. Such a layout has one segment per batch element: it fits padding masks
+    (:func:`varlen_attn.masks.read_padding`: key padding, query-and-key padding, diffusers' outer
+    products, additive ``-10000`` / ``-inf`` masks). Whether the mask is one is decided on the
+    device: ``problems`` is an int64 vector in :data:`STATIC_PROBLEMS` order, all zero when the
+    plan is exact, which the caller checks (a host read where one is allowed, a device assert
+    under capture).
 
     Tensor ops only, with no host read and no Python state, so ``torch.compile`` traces it: under
     CUDA graphs the plan is built in the compiled graph, where inductor fuses the mask reading into
