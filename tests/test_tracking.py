@@ -48,7 +48,7 @@ MODELS = {
     "flux": (flux_model, _qwen_flux("flux"), "tracked", 1),
     "sana": (sana_model, _sana_pixart(SANA_LATENT), "tracked", 1),
     "pixart": (pixart_model, _sana_pixart(PIXART_LATENT), "tracked", 1),
-    "qwen": (qwen_model, _qwen_flux("qwen"), "local", 1),
+    "qwen": (qwen_model, _qwen_flux("qwen"), "entry", 1),
     "hunyuan": (hunyuan_model, lambda: {**hunyuan_inputs(3), "encoder_attention_mask": hunyuan_text_mask([6, 3, 1])},
                 "mode", 2),
 }
@@ -72,8 +72,19 @@ def test_later_forwards_track_as_learned_and_equal_stock(name, checkpointing):
             assert st["plan_builds"] == plans and st["host_syncs"] == plans, (i, st)
             assert st["backends"].get("split_sdpa", 0) > 0, (i, st)
             assert_model_close(got, ref, what=f"{name} step {i}")
+            # Forward pre-hooks on the attention modules' children: while forwards learn (every
+            # forward under the mode), and where they learned to leave the hook at the first
+            # submodule call.
+            assert _watched(model) == (i == 0 or expected in ("mode", "entry")), (i, expected)
     finally:
         va.disable_varlen(model)
+    assert not _watched(model)
+
+
+def _watched(model) -> bool:
+    from varlen_attn.model import _leave_entry
+
+    return any(fn is _leave_entry for m in model.modules() for fn in m._forward_pre_hooks.values())
 
 
 @pytest.mark.parametrize("name", ["chroma", "qwen"])
@@ -205,26 +216,30 @@ def test_a_tracked_mask_outside_its_forward_is_a_plain_tensor():
     torch.testing.assert_close(again, stock, rtol=0, atol=0)
 
 
-# -- the mode inside attention modules only ("local") --------------------------------------------
+# -- the mode inside attention modules only ("local", "entry") ------------------------------------
 
 
 class _JoinAttention(torch.nn.Module):
     """Attention as diffusers' modules are recognised (a ``processor``), over the text mask it is
     given joined with all-True image keys: made here (``extra`` None, as Qwen-Image's processor
-    does) or handed in by its caller."""
+    does) or handed in by its caller. ``late``: made after the projection (a submodule call)
+    instead of before it, as Qwen-Image does."""
 
-    def __init__(self, dim=16, heads=2):
+    def __init__(self, dim=16, heads=2, late=False):
         super().__init__()
         self.processor = object()
         self.qkv = torch.nn.Linear(dim, 3 * dim, dtype=torch.float64)
-        self.heads = heads
+        self.heads, self.late = heads, late
+
+    def joined(self, x, text_mask, extra):
+        if extra is None:
+            extra = torch.ones(x.shape[0], x.shape[1] - text_mask.shape[1], dtype=torch.bool)
+        return torch.cat([text_mask, extra], 1)[:, None, None, :]
 
     def forward(self, x, text_mask, extra=None):
-        b, s, _ = x.shape
-        if extra is None:
-            extra = torch.ones(b, s - text_mask.shape[1], dtype=torch.bool)
-        mask = torch.cat([text_mask, extra], 1)[:, None, None, :]
+        mask = None if self.late else self.joined(x, text_mask, extra)
         q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        mask = self.joined(x, text_mask, extra) if self.late else mask
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
 
 
@@ -232,9 +247,9 @@ class _JoinNet(torch.nn.Module):
     """Layers of :class:`_JoinAttention`; ``outside`` names the layers whose all-True keys the
     net makes itself, outside the attention module."""
 
-    def __init__(self, outside=(), layers=3, image=6):
+    def __init__(self, outside=(), layers=3, image=6, late=False):
         super().__init__()
-        self.layers = torch.nn.ModuleList(_JoinAttention() for _ in range(layers))
+        self.layers = torch.nn.ModuleList(_JoinAttention(late=late) for _ in range(layers))
         self.outside, self.image = set(outside), image
 
     def forward(self, x, attention_mask):
@@ -244,19 +259,21 @@ class _JoinNet(torch.nn.Module):
         return x
 
 
-def _hook_depths(monkeypatch) -> list:
-    """The list that every call through the hook appends its scope's attention depth to."""
+def _hook_calls(monkeypatch) -> list:
+    """The list that every call through the hook appends to: its scope's attention depth, and
+    the function's name."""
     from varlen_attn import hook, scope
 
-    depths = []
+    calls = []
     original = hook.VarlenHook.__torch_function__
 
     def counted(self, func, types, args=(), kwargs=None):
-        depths.append(scope.current_scope().attention_depth)
+        s = scope.current_scope()
+        calls.append((s.attention_depth, getattr(func, "__name__", "")))
         return original(self, func, types, args, kwargs)
 
     monkeypatch.setattr(hook.VarlenHook, "__torch_function__", counted)
-    return depths
+    return calls
 
 
 def _join_inputs():
@@ -265,31 +282,37 @@ def _join_inputs():
     return x, prefix_keep([4, 1, 0], 4)
 
 
-@pytest.mark.parametrize("outside, expected", [((), "local"), ((0, 1, 2), "mode"), ((1,), "mode")],
-                         ids=["inside", "outside", "both"])
-def test_factories_made_inside_attention_only_track_locally(outside, expected, monkeypatch):
+@pytest.mark.parametrize("outside, late, expected", [((), False, "entry"), ((), True, "local"),
+                                                     ((0, 1, 2), False, "mode"), ((1,), False, "mode")],
+                         ids=["inside-first", "inside-late", "outside", "both"])
+def test_factories_made_inside_attention_only_track_locally(outside, late, expected, monkeypatch):
     """A mask joined with a factory's output inside attention modules only: later forwards track
-    their masks and pay the mode inside attention modules only ("local"); a factory output made
-    outside them as well (the same key) keeps the mode. Either way: one plan per forward, output
-    and input gradient equal to stock."""
+    their masks and pay the mode inside attention modules only: up to each module's first
+    submodule call where the mask is made before it ("entry"), through the module where it is
+    made after ("local"). A factory output made outside them as well (the same key) keeps the
+    mode. Every way: one plan per forward, output and input gradient equal to stock."""
     torch.manual_seed(0)
-    model = _JoinNet(outside)
+    model = _JoinNet(outside, late=late)
     x, keep = _join_inputs()
     ref = model(x, keep)
     (ref_grad,) = torch.autograd.grad(ref.sum(), x)
-    depths = _hook_depths(monkeypatch)
+    calls = _hook_calls(monkeypatch)
     va.enable_varlen(model, backend="reference")
     try:
         for i in range(3):
             va.reset_stats()
-            depths.clear()
+            calls.clear()
             got = model(x, keep.clone())
             (grad,) = torch.autograd.grad(got.sum(), x)
             st = va.stats()
             assert st["forwards"] == {"mode" if i == 0 else expected: 1}, (i, st)
             assert st["plan_builds"] == 1 and st["backends"] == {"reference": 3}, (i, st)
-            if i and expected == "local":
+            depths = [d for d, _ in calls]
+            if i and expected in ("local", "entry"):
                 assert depths and min(depths) > 0, (i, len(depths))  # never outside attention
+                # The hook runs past the projection (``permute`` of its output) only where the
+                # mask is made after it.
+                assert any(f == "permute" for _, f in calls) == (expected == "local"), (i, calls)
             elif i:
                 assert min(depths) == 0, i
             torch.testing.assert_close(got, ref)
@@ -297,25 +320,29 @@ def test_factories_made_inside_attention_only_track_locally(outside, expected, m
     finally:
         va.disable_varlen(model)
     assert all("forward" not in layer.__dict__ for layer in model.layers)
+    assert all(not layer.qkv._forward_pre_hooks for layer in model.layers)  # nothing of ours left
 
 
-def test_qwen_pays_the_mode_inside_attention_only(monkeypatch):
-    """Qwen-Image's later forwards run the hook inside attention modules only: fewer calls than
-    the first (mode) forward, none outside attention."""
+def test_qwen_pays_the_mode_at_attention_entry_only(monkeypatch):
+    """Qwen-Image's later forwards run the hook inside attention modules only, and there only
+    before the first projection (its processor makes its mask first; no ``linear`` through the
+    hook): a few calls per attention module, against every call of the first (mode) forward."""
     build, inputs, _, _ = MODELS["qwen"]
     model = build()
-    depths = _hook_depths(monkeypatch)
+    calls = _hook_calls(monkeypatch)
     va.enable_varlen(model)
     try:
         counts = []
         for _ in range(2):
-            depths.clear()
+            calls.clear()
             step(model, inputs())
-            counts.append((len(depths), sum(d == 0 for d in depths)))
+            counts.append((len(calls), sum(d == 0 for d, _ in calls), sum(f == "linear" for _, f in calls)))
+        attention = sum(1 for m in model.modules() if hasattr(m, "processor"))
     finally:
         va.disable_varlen(model)
-    (mode_calls, mode_outside), (local_calls, local_outside) = counts
-    assert mode_outside > 0 and local_outside == 0 and 0 < local_calls < mode_calls, counts
+    (mode_calls, mode_outside, mode_linear), (entry_calls, entry_outside, entry_linear) = counts
+    assert mode_outside > 0 and entry_outside == 0 and mode_linear > 0 and entry_linear == 0, counts
+    assert 0 < entry_calls <= 10 * attention < mode_calls, (counts, attention)
 
 
 def test_an_attention_call_unseen_by_local_tracking_is_reported_and_relearned(caplog):
@@ -333,7 +360,7 @@ def test_an_attention_call_unseen_by_local_tracking_is_reported_and_relearned(ca
         va.reset_stats()
         with caplog.at_level("WARNING", logger="varlen_attn"):
             got = model(x, keep.clone())
-        assert va.stats()["forwards"] == {"local": 1} and va.stats()["backends"] == {"reference": 2}
+        assert va.stats()["forwards"] == {"entry": 1} and va.stats()["backends"] == {"reference": 2}
         assert "2 masked attention call(s)" in caplog.text and "ran stock SDPA" in caplog.text
         torch.testing.assert_close(got, ref)
         va.reset_stats()
@@ -341,6 +368,156 @@ def test_an_attention_call_unseen_by_local_tracking_is_reported_and_relearned(ca
         assert va.stats()["forwards"] == {"mode": 1} and va.stats()["backends"] == {"reference": 3}
     finally:
         va.disable_varlen(model)
+
+
+class _LateFactory(_JoinAttention):
+    """Makes its mask before the projection while ``model.late`` is False, after it otherwise:
+    mask code that changes after the tracking was learned."""
+
+    def forward(self, x, text_mask, extra=None):
+        self.late = self.net_late[0]
+        return super().forward(x, text_mask, extra)
+
+
+def test_a_mask_made_past_the_entry_after_learning_is_reported_and_tracked_locally(caplog):
+    """Under "entry" the hook leaves an attention module at its first submodule call. A module
+    that starts making its mask after that call (changed code) is not seen there: its calls run
+    stock SDPA (equal results), the forward says so, and the forwards after learn again and
+    keep the hook through the attention modules ("local"), routing every call."""
+    torch.manual_seed(0)
+    model = _JoinNet()
+    late = [False]
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = _LateFactory()
+        model.layers[i].load_state_dict(layer.state_dict())
+        model.layers[i].net_late = late
+    x, keep = _join_inputs()
+    ref = model(x, keep)
+    va.enable_varlen(model, backend="reference")
+    try:
+        model(x, keep.clone())
+        va.reset_stats()
+        torch.testing.assert_close(model(x, keep.clone()), ref)
+        assert va.stats()["forwards"] == {"entry": 1}
+        late[0] = True
+        va.reset_stats()
+        with caplog.at_level("WARNING", logger="varlen_attn"):
+            got = model(x, keep.clone())
+        assert va.stats()["forwards"] == {"entry": 1} and va.stats()["backends"] == {}
+        assert "0 masked attention call(s)" in caplog.text and "ran stock SDPA" in caplog.text
+        torch.testing.assert_close(got, ref)
+        for expected in ("mode", "local", "local"):
+            va.reset_stats()
+            torch.testing.assert_close(model(x, keep.clone()), ref)
+            st = va.stats()
+            assert st["forwards"] == {expected: 1} and st["backends"] == {"reference": 3}, st
+    finally:
+        va.disable_varlen(model)
+
+
+class _WeightsWrittenLate(_JoinAttention):
+    """A float tensor made before the projection and joined with the tracked mask into the
+    attention bias: before the projection, or (``late``, code changed after the tracking was
+    learned) after it, first written there by a write that takes no tracked mask."""
+
+    def forward(self, x, text_mask, extra=None):
+        keep = self.joined(x, text_mask, extra)
+        weights = torch.zeros(keep.shape, dtype=x.dtype)
+        bias = None if self.late else torch.where(keep, weights, float("-inf"))
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        if self.late:
+            weights[..., 0] = float("-inf")
+            bias = torch.where(keep, weights, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).flatten(2)
+
+
+def test_a_plain_tensor_written_past_the_entry_never_reuses_its_key(caplog):
+    """Under inference_mode no version counter shows an in-place write, and past an attention
+    module's first submodule call the hook no longer sees one. So the keys the hook gave plain
+    tensors there go with it: a bias made from one written later is not taken for the earlier
+    layers' (whose plan keeps key 0). Its call runs stock SDPA, said so, and every output
+    equals stock."""
+    torch.manual_seed(0)
+    model = _JoinNet()
+    for i in range(len(model.layers)):
+        fresh = _WeightsWrittenLate()
+        fresh.load_state_dict(model.layers[i].state_dict())
+        model.layers[i] = fresh
+    x, keep = _join_inputs()
+    with torch.inference_mode():
+        x = x.detach().clone()
+        model.layers[1].late = True
+        ref = model(x, keep)
+        model.layers[1].late = False
+        va.enable_varlen(model, backend="reference")
+        try:
+            model(x, keep.clone())
+            va.reset_stats()
+            model(x, keep.clone())
+            assert va.stats()["forwards"] == {"entry": 1} and va.stats()["backends"] == {"reference": 3}
+            model.layers[1].late = True
+            va.reset_stats()
+            with caplog.at_level("WARNING", logger="varlen_attn"):
+                got = model(x, keep.clone())
+            torch.testing.assert_close(got, ref)
+            assert va.stats()["forwards"] == {"entry": 1} and va.stats()["backends"] == {"reference": 2}
+            assert "2 masked attention call(s)" in caplog.text
+        finally:
+            va.disable_varlen(model)
+
+
+class _BiasBeforeProjection(_JoinAttention):
+    """A float bias made before the projection and written in place there: past the entry it
+    would reach attention as a plain tensor, which only the hook routes."""
+
+    def forward(self, x, text_mask, extra=None):
+        keep = self.joined(x, text_mask, extra)
+        bias = torch.zeros(keep.shape, dtype=x.dtype)
+        bias.masked_fill_(~keep, float("-inf"))
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).flatten(2)
+
+
+class _WritesAfterProjection(_JoinAttention):
+    """The joined mask made before the projection, one key dropped after it by an in-place
+    write that takes no tracked mask."""
+
+    def forward(self, x, text_mask, extra=None):
+        mask = self.joined(x, text_mask, extra)
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        mask[..., -1] = False
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).flatten(2)
+
+
+@pytest.mark.parametrize("layer", [_BiasBeforeProjection, _WritesAfterProjection], ids=["plain-bias", "late-write"])
+@pytest.mark.parametrize("inference", [False, True], ids=["grad", "inference_mode"])
+def test_what_only_the_hook_sees_past_the_entry_keeps_it_through_the_module(layer, inference):
+    """Masks made before the first submodule call, but routed or written where only the hook
+    sees them (a plain float bias, an in-place write without a tracked mask): the mode forward
+    learns "local", not "entry", and every later forward routes every call with one plan per
+    mask, equal to stock (also under inference_mode, where no version counter shows a write)."""
+    torch.manual_seed(0)
+    model = _JoinNet()
+    for i in range(len(model.layers)):
+        fresh = layer()
+        fresh.load_state_dict(model.layers[i].state_dict())
+        model.layers[i] = fresh
+    x, keep = _join_inputs()
+    ctx = torch.inference_mode() if inference else torch.enable_grad()
+    with ctx:
+        x = x.detach().clone() if inference else x
+        ref = model(x, keep)
+        va.enable_varlen(model, backend="reference")
+        try:
+            for i in range(3):
+                va.reset_stats()
+                got = model(x, keep.clone())
+                st = va.stats()
+                assert st["forwards"] == {"mode" if i == 0 else "local": 1}, (i, st)
+                assert st["backends"] == {"reference": 3} and st["fallbacks"] == {}, (i, st)
+                torch.testing.assert_close(got, ref)
+        finally:
+            va.disable_varlen(model)
 
 
 class _WritesItsMask(_JoinAttention):
@@ -402,3 +579,34 @@ def test_a_model_pickled_enabled_by_the_previous_release_runs_and_disables():
         assert va.stats()["backends"] == {"reference": 3}, (i, va.stats())
     va.disable_varlen(loaded)
     assert not hasattr(loaded, "_varlen_state")
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_of_a_model_that_leaves_the_hook_at_entry_do_the_same(how):
+    """An EMA copy (deepcopy) or a pickled model, taken after the forwards learned "entry": the
+    copy keeps the learned tracking and the children's forward pre-hooks, routes every call with
+    its own weights, equals stock, and disables on its own."""
+    import copy
+    import pickle
+
+    torch.manual_seed(0)
+    model = _JoinNet()
+    x, keep = _join_inputs()
+    va.enable_varlen(model, backend="reference")
+    try:
+        model(x, keep.clone())
+        model(x, keep.clone())
+        twin = copy.deepcopy(model) if how == "deepcopy" else pickle.loads(pickle.dumps(model))
+        with torch.no_grad():
+            for p in twin.parameters():
+                p.mul_(0.5)
+        va.reset_stats()
+        got = twin(x, keep.clone())
+        assert va.stats()["forwards"] == {"entry": 1} and va.stats()["backends"] == {"reference": 3}
+        assert _watched(twin) and _watched(model)
+        va.disable_varlen(twin)
+        assert not _watched(twin) and _watched(model)
+        torch.testing.assert_close(got, twin(x, keep))  # stock, the copy's weights
+        assert (got - model(x, keep.clone())).abs().max() > 1e-3
+    finally:
+        va.disable_varlen(model)

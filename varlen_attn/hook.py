@@ -58,11 +58,13 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     ``tracked``: a new keyed output becomes a :class:`TrackedMask`."""
     target = args[0] if args and isinstance(args[0], torch.Tensor) and _in_place(func) else None
     if target is not None:
+        if scope.entered_late() and id(target) in scope.derived:
+            scope.late = True  # a keyed tensor written where only the mode sees it
         # The new content is func(old content): key it before the op bumps the version.
         key = scope.derive(func, args, kwargs)
         out = func(*args, **kwargs)
         if key is not None:
-            scope.mark(target, key)
+            _mark(scope, target, key)
         else:
             scope.forget(target)
         return out
@@ -70,13 +72,32 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     if scopes.keyable_output(out):
         key = scope.derive(func, args, kwargs)
         if key is not None:
+            if scope.tracking == scopes.MODE and scope.entered_late() and any(
+                    isinstance(a, torch.Tensor) and _plain_key(scope.key_of(a)) for a in scopes.flat(args, kwargs)):
+                scope.late = True  # a plain keyed tensor used where only the mode follows it
             # A factory's output becomes a tracked mask only when it is a bool mask: an index or
             # position tensor (``torch.arange``) a module keeps must not stay a subclass.
             if tracked and type(out) is not TrackedMask and (
                     out.dtype == torch.bool or not scopes.is_factory(func)):
                 out = out.as_subclass(TrackedMask)
-            scope.mark(out, key)
+            _mark(scope, out, key)
     return out
+
+
+def _mark(scope: scopes.Scope, t: torch.Tensor, key) -> None:
+    scope.mark(t, key)
+    if (scope.tracking == scopes.ENTRY and type(t) is not TrackedMask and scope.attention
+            and scope.attention[-1].mode is not None):
+        # Keyed by the hook at an attention module's entry, a plain tensor: its key goes when
+        # the hook does (model._leave_entry), as no one would see it written after that.
+        scope.attention[-1].plain.append(t)
+
+
+def _plain_key(key) -> bool:
+    """A tensor keyed ``key`` may be a plain tensor in a forward that tracks masks: a factory's
+    output (a tracked mask only when bool), or last written in place (a tensor stays what it
+    was). Past an attention module's entry only the mode follows it (:data:`scopes.ENTRY`)."""
+    return key is not None and (scopes.is_factory(key[0]) or _in_place(key[0]))
 
 
 def _mask_of(args, kwargs):
@@ -98,9 +119,13 @@ class VarlenHook(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.scaled_dot_product_attention:
-            if self.scope.policy.model and _mask_of(args, kwargs) is None:
+            mask = _mask_of(args, kwargs)
+            if self.scope.policy.model and mask is None:
                 # No mask: stock SDPA, untouched and not counted, as where masks are tracked.
                 return func(*args, **kwargs)
+            if (mask is not None and self.scope.tracking == scopes.MODE and self.scope.entered_late()
+                    and _plain_key(self.scope.key_of(mask))):
+                self.scope.late = True  # an attention mask only the mode would route
             with torch._C.DisableTorchFunctionSubclass():  # a tracked mask is plain in here
                 return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy)
         if torch.compiler.is_compiling():

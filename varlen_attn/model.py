@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import threading
 
 import torch
 
@@ -28,7 +29,7 @@ from . import _stats
 from ._errors import InputTypeError, describe
 from .hook import VarlenHook, active, hidden, hidden_scope, hooked, plain, tracked
 from .op import refuse_unsupported_compile
-from .scope import LOCAL, MODE, Policy, Scope, current_scope
+from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
 
@@ -55,12 +56,20 @@ class _State:
         # Per set of mask input names: how a forward with them follows its masks, as a mode
         # forward learned it (scope.Scope.learned), and how many masked attention calls it saw.
         self.tracking: dict[tuple[str, ...], tuple[str, int]] = {}
+        # The attention modules' children carry _leave_entry (forward pre-hooks) while a forward
+        # learns or tracks ENTRY (_watch; changed only by a forward running alone: ``running``
+        # counts this model's forwards in progress). Mask input names whose ENTRY forward missed
+        # a masked attention call learn LOCAL at most from then on.
+        self.watching = False
+        self.running = 0
+        self.no_entry: set[tuple[str, ...]] = set()
 
     def __setstate__(self, state: dict) -> None:
         # A model pickled enabled by an earlier release: what it lacks starts empty (its forwards
         # learn again under the mode).
         state.pop("root_derived", None)
-        self.__dict__.update({"tracking": {}, "attention": [], "compiled": [], **state})
+        self.__dict__.update({"tracking": {}, "attention": [], "compiled": [], "watching": False,
+                              "no_entry": set(), **state, "running": 0})
 
     def policy(self) -> Policy:
         return Policy.of(self.backend, self.strict, self.float_mask, model=True)
@@ -135,21 +144,77 @@ class _AttentionForward(_InstanceForward):
     the mode learns which factory outputs are made inside attention modules only
     (:meth:`varlen_attn.scope.Scope.learned`), and in a forward that tracks :data:`LOCAL` it
     runs the module under the hook: the mode is paid inside attention modules, not on the rest
-    of the forward. Traced by dynamo, or after :func:`disable_varlen`, it only passes calls on."""
+    of the forward; under :data:`ENTRY`, only up to the module's first submodule call
+    (:func:`_leave_entry`). Traced by dynamo, or after :func:`disable_varlen`, it only passes
+    calls on."""
 
     def __call__(self, *args, **kwargs):
         target = self._target()
         scope = current_scope() if self.active and not torch.compiler.is_compiling() else None
         if scope is None:
             return target(*args, **kwargs)
-        scope.attention_depth += 1
+        call = AttentionCall(self.module)
+        scope.attention.append(call)
         try:
-            if scope.tracking == LOCAL and not hooked(scope):  # not a second hook over one
-                with VarlenHook(scope, masks_only=True):
-                    return target(*args, **kwargs)
+            if scope.tracking in (LOCAL, ENTRY) and not hooked(scope):  # not a second hook over one
+                call.mode = VarlenHook(scope, masks_only=True)
+                call.mode.__enter__()
             return target(*args, **kwargs)
         finally:
-            scope.attention_depth -= 1
+            if call.mode is not None:
+                _leave(scope, call)
+            scope.attention.pop()
+
+
+def _leave(scope: Scope, call: AttentionCall) -> None:
+    """Take the hook of ``call`` off this thread's mode stack and drop the keys it gave plain
+    tensors (:data:`ENTRY`: no one sees them written from here on)."""
+    mode, call.mode = call.mode, None
+    mode.__exit__(None, None, None)
+    for t in call.plain:
+        scope.forget(t)
+    call.plain.clear()
+
+
+def _leave_entry(child: torch.nn.Module, args) -> None:
+    """Forward pre-hook of the children of attention modules while enabled: marks the running
+    attention module's first submodule call (a forward under the mode learns what came after
+    it: :attr:`Scope.late`), and under :data:`ENTRY` takes that module's hook off there. A
+    stateless function, so the children deep-copy and pickle as before."""
+    if torch.compiler.is_compiling():
+        return None
+    scope = current_scope()
+    if scope is None or not scope.attention:
+        return None
+    call = scope.attention[-1]
+    if call.entered or not any(c is child for c in call.module.__dict__["_modules"].values()):
+        return None
+    call.entered = True
+    if call.mode is not None and scope.tracking == ENTRY:
+        # Only from the top of the stack: a mode entered since and still active stays above it.
+        n = torch._C._len_torch_function_stack()
+        if n and torch._C._get_function_stack_at(n - 1) is call.mode:
+            _leave(scope, call)
+    return None
+
+
+def _watch(state: _State, on: bool) -> None:
+    """Give the attention modules' children :func:`_leave_entry` (``on``), or take it off."""
+    if state.watching == on:
+        return
+    state.watching = on
+    for wrapper in state.attention:
+        if wrapper.active:
+            _watch_children(wrapper.module, on)
+
+
+def _watch_children(module: torch.nn.Module, on: bool) -> None:
+    for child in module.children():
+        hooks = child._forward_pre_hooks
+        for hid in [h for h, fn in hooks.items() if fn is _leave_entry]:
+            del hooks[hid]
+        if on:
+            child.register_forward_pre_hook(_leave_entry)
 
 
 def _put_back(module: torch.nn.Module, name: str, wrapper) -> None:
@@ -166,6 +231,7 @@ def _put_back(module: torch.nn.Module, name: str, wrapper) -> None:
 def _remove_attention_forward(wrapper: _AttentionForward) -> None:
     wrapper.active = False  # a wrapper added around it later keeps calling it: pass through
     _put_back(wrapper.module, "forward", wrapper)
+    _watch_children(wrapper.module, False)
 
 
 def enable_varlen(
@@ -294,7 +360,25 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     # (_Boundary). Results never depend on it.
     _install_compiled(model, state)
     tracking, calls = (state.tracking.get(names) if roots else None) or (MODE, 0)
-    scope = Scope(state.policy(), tracking)
+    with _running_lock:
+        state.running += 1
+        if state.running == 1:
+            # Alone: no other thread is inside the modules whose hooks change. A mode forward
+            # watches to learn where each attention module's mask work ends.
+            _watch(state, (tracking == MODE and bool(roots)) or any(t == ENTRY for t, _ in state.tracking.values()))
+    try:
+        out = _run_scoped(state, orig_forward, bound, roots, names, tracking, calls)
+    finally:
+        with _running_lock:
+            state.running -= 1
+    return out
+
+
+_running_lock = threading.Lock()
+
+
+def _run_scoped(state: _State, orig_forward, bound, roots, names, tracking: str, calls: int):
+    scope = Scope(state.policy(), tracking, watching=state.watching and names not in state.no_entry)
     for (name, sub, given), root in zip(roots, names):
         t = given
         if tracking != MODE:
@@ -307,15 +391,18 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     _stats.record_forward(tracking)
     with active(scope):
         out = orig_forward(*bound.args, **bound.kwargs)
-    if tracking == MODE and roots:
-        learned = scope.learned()
+    if tracking == MODE:
+        learned = scope.learned() if roots else None
         if learned is not None:
             state.tracking[names] = (learned, scope.masked_calls)
     elif scope.masked_calls < calls:
         # Fewer masked attention calls reached varlen_attn than in the forward this tracking was
         # learned from: some ran stock SDPA unseen (an attention module's forward replaced after
-        # enabling, or mask code that changed). Say so, and learn again at the next forward.
+        # enabling, mask code that changed, or under ENTRY a mask made past a module's first
+        # submodule call). Say so, and learn again at the next forward (after ENTRY, LOCAL at most).
         state.tracking.pop(names, None)
+        if tracking == ENTRY:
+            state.no_entry.add(names)
         logger.warning(
             "varlen_attn: %d masked attention call(s) reached varlen_attn in this forward, %d in the "
             "forward its mask tracking (%s) was learned from; the others ran stock SDPA. The next "

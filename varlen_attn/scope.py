@@ -41,8 +41,24 @@ FLOAT_POLICIES = ("bool", "bias", "error")
 # How a scope follows its masks (:mod:`varlen_attn.hook`): the mode over the whole forward (every
 # torch function); tracked mask tensors (only the functions that take one); or tracked mask
 # tensors and the mode inside attention modules only, where a mask may join a factory's output
-# (Qwen-Image's per-layer ``torch.ones``).
-MODE, TRACKED, LOCAL = "mode", "tracked", "local"
+# (Qwen-Image's per-layer ``torch.ones``); or, narrower, the mode from an attention module's entry
+# to its first submodule call, where every such factory and write comes before it (Qwen-Image).
+MODE, TRACKED, LOCAL, ENTRY = "mode", "tracked", "local", "entry"
+
+
+class AttentionCall:
+    """An attention module's forward in progress (``model._AttentionForward``). ``entered``: a
+    submodule of it was called since (its first, in a forward under :data:`ENTRY`, took the hook
+    ``mode`` off). ``plain``: tensors the hook keyed there that stay plain tensors, not tracked
+    masks; their keys are dropped with the hook, which alone would have seen them written."""
+
+    __slots__ = ("module", "entered", "mode", "plain")
+
+    def __init__(self, module):
+        self.module = module
+        self.entered = False
+        self.mode = None
+        self.plain: list = []
 
 
 @dataclass(frozen=True)
@@ -115,14 +131,20 @@ class Scope:
     """Per-forward state: the policy, derivation keys of mask tensors, the plans built from
     them, and the model's mask inputs (``roots``, by argument name)."""
 
-    def __init__(self, policy: Policy, tracking: str = MODE):
+    def __init__(self, policy: Policy, tracking: str = MODE, watching: bool = False):
         self.policy = policy
         self.tracking = tracking
         # Attention modules entered and not left (model._AttentionForward), and the keys of the
         # factory outputs made inside one / outside every one: what :meth:`learned` reads.
-        self.attention_depth = 0
+        self.attention: list[AttentionCall] = []
         self.factories_inside: set = set()
         self.factories_outside: set = set()
+        # ``watching``: the attention modules' submodule calls are seen (model._leave_entry), so
+        # this forward can learn :data:`ENTRY`; ``late``: something only the mode follows came
+        # after an attention module's first submodule call (a factory, an in-place write to a
+        # keyed tensor, an attention mask that would not be a tracked mask).
+        self.watching = watching
+        self.late = False
         # Masked attention calls that resolved a plan in this scope (model._run_forward compares
         # a tracked forward's count with the mode forward's it learned from).
         self.masked_calls = 0
@@ -183,15 +205,26 @@ class Scope:
         """How later forwards with the same mask inputs may follow their masks, from the plans
         this forward built: :data:`TRACKED` where every mask was made from the roots alone
         (:func:`root_derived`), :data:`LOCAL` where factory outputs joined them only inside
-        attention modules (the mode runs there), else :data:`MODE`; None where no masked
-        attention ran (nothing learned)."""
+        attention modules (the mode runs there), :data:`ENTRY` where moreover all that came
+        before each module's first submodule call (seen only when ``watching``), else
+        :data:`MODE`; None where no masked attention ran (nothing learned)."""
         keys = [pkey[0] for pkey in self.plans]
         if not keys:
             return None
         if all(root_derived(k) for k in keys):
             return TRACKED
         inside = self.factories_inside - self.factories_outside
-        return LOCAL if all(root_derived(k, inside) for k in keys) else MODE
+        if not all(root_derived(k, inside) for k in keys):
+            return MODE
+        return ENTRY if self.watching and not self.late else LOCAL
+
+    @property
+    def attention_depth(self) -> int:
+        return len(self.attention)
+
+    def entered_late(self) -> bool:
+        """Inside an attention module whose first submodule was already called."""
+        return bool(self.attention) and self.attention[-1].entered
 
     def derive(self, func, args, kwargs):
         """Key of ``func(*args, **kwargs)`` if every tensor input is keyed, else None."""
@@ -203,7 +236,7 @@ class Scope:
             for a in args:
                 if isinstance(a, torch.Tensor) and id(a) not in derived:
                     return None
-        has_tensor = any(isinstance(a, torch.Tensor) for a in _flat(args, kwargs))
+        has_tensor = any(isinstance(a, torch.Tensor) for a in flat(args, kwargs))
         if not has_tensor and not factory:
             return None
         if _random(getattr(func, "__name__", "")):
@@ -214,7 +247,9 @@ class Scope:
         except _Unkeyable:
             return None
         if factory:
-            (self.factories_inside if self.attention_depth else self.factories_outside).add(key)
+            (self.factories_inside if self.attention else self.factories_outside).add(key)
+            if self.entered_late():
+                self.late = True
         return key
 
 
@@ -254,7 +289,7 @@ def trace_derive(func, args, kwargs, out) -> None:
     if not name:
         return
     has_tensor = False
-    for a in _flat(args, kwargs):
+    for a in flat(args, kwargs):
         if isinstance(a, torch.Tensor):
             has_tensor = True
             if not (hasattr(a, TRACED) or getattr(a, KEYED, False)):
@@ -344,10 +379,11 @@ def _version(t: torch.Tensor):
     return None if t.is_inference() else t._version
 
 
-def _flat(args, kwargs):
+def flat(args, kwargs):
+    """Every argument, lists and tuples opened."""
     for a in list(args) + list(kwargs.values()):
         if isinstance(a, (list, tuple)):
-            yield from _flat(a, {})
+            yield from flat(a, {})
         else:
             yield a
 
