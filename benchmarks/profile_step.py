@@ -57,7 +57,9 @@ def main():
             v.step(batch)
             torch.cuda.synchronize()
             pr.disable()
-            pstats.Stats(pr).sort_stats("tottime").print_stats(r"varlen_attn|flash_attn|cute|_library", 30)
+            st = pstats.Stats(pr)
+            st.sort_stats("tottime").print_stats(r"varlen_attn|flash_attn|cute|_library", 30)
+            st.sort_stats("cumtime").print_stats(r"varlen_attn|flash_attn|cute", 25)
         print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=14, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=14, max_name_column_width=60))
         del v, model

@@ -70,7 +70,7 @@ def record_host_sync() -> None:
 
 
 def record_forward(tracking: str) -> None:
-    """An enabled model's eager forward followed its masks by ``tracking`` ("mode"/"tracked"/"local")."""
+    """An enabled model's eager forward followed its masks by ``tracking`` ("mode"/"tracked"/"local"/"entry")."""
     with _lock:
         _forwards[tracking] += 1
 
