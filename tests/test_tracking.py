@@ -383,7 +383,8 @@ def test_a_mask_made_past_the_entry_after_learning_is_reported_and_tracked_local
     """Under "entry" the hook leaves an attention module at its first submodule call. A module
     that starts making its mask after that call (changed code) is not seen there: its calls run
     stock SDPA (equal results), the forward says so, and the forwards after learn again and
-    keep the hook through the attention modules ("local"), routing every call."""
+    keep the hook through the attention modules ("local") even where the code is early again,
+    routing every call."""
     torch.manual_seed(0)
     model = _JoinNet()
     late = [False]
@@ -406,6 +407,7 @@ def test_a_mask_made_past_the_entry_after_learning_is_reported_and_tracked_local
         assert va.stats()["forwards"] == {"entry": 1} and va.stats()["backends"] == {}
         assert "0 masked attention call(s)" in caplog.text and "ran stock SDPA" in caplog.text
         torch.testing.assert_close(got, ref)
+        late[0] = False  # early again: still "local" from now on, not "entry" and a miss again
         for expected in ("mode", "local", "local"):
             va.reset_stats()
             torch.testing.assert_close(model(x, keep.clone()), ref)
@@ -610,3 +612,88 @@ def test_copies_of_a_model_that_leaves_the_hook_at_entry_do_the_same(how):
         assert (got - model(x, keep.clone())).abs().max() > 1e-3
     finally:
         va.disable_varlen(model)
+
+
+class _LikeWrittenLate(_JoinAttention):
+    """A float bias from ``zeros_like`` of the tracked mask: made before the projection, or
+    (``late``, code changed after learning) after it, its zeros first written by a plain op."""
+
+    def forward(self, x, text_mask, extra=None):
+        keep = self.joined(x, text_mask, extra)
+        if not self.late:
+            bias = torch.where(keep, torch.zeros_like(keep, dtype=x.dtype), float("-inf"))
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        if self.late:
+            weights = torch.zeros_like(keep, dtype=x.dtype)
+            weights[..., 0] = float("-inf")
+            bias = torch.where(keep, weights, float("-inf"))
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias).transpose(1, 2).flatten(2)
+
+
+class _ViewThenWrite(_JoinAttention):
+    """A view of the joined mask taken, then its base written in place (``write``)."""
+
+    write = False
+
+    def forward(self, x, text_mask, extra=None):
+        mask = self.joined(x, text_mask, extra)[:, 0, 0, :]
+        view = mask[:, None, None, :]
+        if self.write:
+            mask[:, 0] = False
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=view).transpose(1, 2).flatten(2)
+
+
+def _swap(model, cls):
+    for i in range(len(model.layers)):
+        fresh = cls()
+        fresh.load_state_dict(model.layers[i].state_dict())
+        model.layers[i] = fresh
+    return model
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_a_plain_tensor_made_by_a_tracked_mask_is_never_keyed_unseen(inference):
+    """Without a hook, only tracked masks have their writes seen: a plain tensor a tracked mask
+    makes (``zeros_like(mask, dtype=float)``) gets no key, so a bias from it written in one layer
+    only is never taken for the other layers' (under inference_mode no version counter would
+    show the write). Equal to stock."""
+    torch.manual_seed(0)
+    model = _swap(_JoinNet(), _LikeWrittenLate)
+    x, keep = _join_inputs()
+    with torch.inference_mode() if inference else torch.no_grad():
+        x = x.detach().clone()
+        model.layers[1].late = True
+        ref = model(x, keep)
+        model.layers[1].late = False
+        va.enable_varlen(model, backend="reference")
+        try:
+            model(x, keep.clone())
+            model(x, keep.clone())
+            model.layers[1].late = True
+            got = model(x, keep.clone())
+        finally:
+            va.disable_varlen(model)
+    torch.testing.assert_close(got, ref)
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
+def test_a_write_to_a_masks_base_is_seen_by_its_views(inference):
+    """A view of a mask keyed, then its base written in place in one layer only: the view's key
+    goes (no version counter tells an inference tensor's views), so that layer gets a plan of
+    its own. Every forward equals stock."""
+    torch.manual_seed(0)
+    model = _swap(_JoinNet(), _ViewThenWrite)
+    model.layers[1].write = True
+    x, keep = _join_inputs()
+    with torch.inference_mode() if inference else torch.no_grad():
+        x = x.detach().clone()
+        ref = model(x, keep)
+        va.enable_varlen(model, backend="reference")
+        try:
+            for i in range(3):
+                va.reset_stats()
+                torch.testing.assert_close(model(x, keep.clone()), ref, msg=lambda m: f"forward {i}: {m}")
+                assert va.stats()["backends"] == {"reference": 3}, (i, va.stats())
+        finally:
+            va.disable_varlen(model)

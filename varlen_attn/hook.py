@@ -63,9 +63,10 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
         # The new content is func(old content): key it before the op bumps the version.
         key = scope.derive(func, args, kwargs)
         out = func(*args, **kwargs)
-        if key is not None:
-            _mark(scope, target, key)
-        else:
+        if scopes.version(target) is None:
+            # An inference tensor: no version counter tells its views that it changed.
+            scope.forget_aliases(target)
+        if key is None or not _mark(scope, target, key):
             scope.forget(target)
         return out
     out = func(*args, **kwargs)
@@ -84,13 +85,21 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     return out
 
 
-def _mark(scope: scopes.Scope, t: torch.Tensor, key) -> None:
-    scope.mark(t, key)
-    if (scope.tracking == scopes.ENTRY and type(t) is not TrackedMask and scope.attention
-            and scope.attention[-1].mode is not None):
-        # Keyed by the hook at an attention module's entry, a plain tensor: its key goes when
-        # the hook does (model._leave_entry), as no one would see it written after that.
-        scope.attention[-1].plain.append(t)
+def _mark(scope: scopes.Scope, t: torch.Tensor, key) -> bool:
+    """Key ``t``, if its writes will be seen while the key lives; False where not keyed. A
+    tracked mask's writes always are (its own ``__torch_function__``), as is everything under the
+    mode over a whole forward. A plain tensor, in a forward that tracks masks, only while the
+    hook of an attention module runs: its key goes when that hook leaves (model._leave), and
+    without a hook it gets none (under ``inference_mode`` no version counter would show a write)."""
+    if type(t) is TrackedMask or scope.tracking == scopes.MODE:
+        scope.mark(t, key)
+        return True
+    for call in reversed(scope.attention):
+        if call.mode is not None:
+            scope.mark(t, key)
+            call.plain.append(t)
+            return True
+    return False
 
 
 def _plain_key(key) -> bool:

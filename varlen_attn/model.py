@@ -167,10 +167,18 @@ class _AttentionForward(_InstanceForward):
 
 
 def _leave(scope: Scope, call: AttentionCall) -> None:
-    """Take the hook of ``call`` off this thread's mode stack and drop the keys it gave plain
-    tensors (:data:`ENTRY`: no one sees them written from here on)."""
+    """Take the hook of ``call`` off this thread's mode stack (from under any mode entered since
+    and still active) and drop the keys it gave plain tensors: no one sees them written from
+    here on."""
     mode, call.mode = call.mode, None
-    mode.__exit__(None, None, None)
+    above = []  # modes entered since and still active (not ours: left as they are)
+    while torch._C._len_torch_function_stack():
+        top = torch._C._pop_torch_function_stack()
+        if top is mode:
+            break
+        above.append(top)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
     for t in call.plain:
         scope.forget(t)
     call.plain.clear()
@@ -209,11 +217,14 @@ def _watch(state: _State, on: bool) -> None:
 
 
 def _watch_children(module: torch.nn.Module, on: bool) -> None:
-    for child in module.children():
-        hooks = child._forward_pre_hooks
+    # Taken off every descendant: a child wrapped since (peft's LoRA layer keeps it as
+    # ``base_layer``) is a grandchild now.
+    for sub in module.modules():
+        hooks = sub._forward_pre_hooks
         for hid in [h for h, fn in hooks.items() if fn is _leave_entry]:
             del hooks[hid]
-        if on:
+    if on:
+        for child in module.children():
             child.register_forward_pre_hook(_leave_entry)
 
 

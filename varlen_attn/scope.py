@@ -165,12 +165,12 @@ class Scope:
 
     def key_of(self, t: torch.Tensor):
         entry = self.derived.get(id(t))
-        if entry is None or entry[0]() is not t or entry[2] != _version(t):
+        if entry is None or entry[0]() is not t or entry[2] != version(t):
             return None
         return entry[1]
 
     def mark(self, t: torch.Tensor, key) -> None:
-        self.derived[id(t)] = (weakref.ref(t), key, _version(t))
+        self.derived[id(t)] = (weakref.ref(t), key, version(t))
         # Seen by dynamo when a compiled block takes this tensor: a derivation may start here.
         setattr(t, KEYED, True)
 
@@ -184,6 +184,15 @@ class Scope:
 
     def forget(self, t: torch.Tensor) -> None:
         self.derived.pop(id(t), None)
+
+    def forget_aliases(self, t: torch.Tensor) -> None:
+        """Drop the keys of every other keyed tensor on ``t``'s storage (its views and bases):
+        ``t`` was written in place where no version counter tells them (an inference tensor)."""
+        ptr = t.untyped_storage().data_ptr()
+        for i, (ref, _, _) in list(self.derived.items()):
+            other = ref()
+            if other is not None and other is not t and other.untyped_storage().data_ptr() == ptr:
+                del self.derived[i]
 
     def _arg_key(self, a, like: bool):
         if isinstance(a, torch.Tensor):
@@ -373,9 +382,11 @@ def _args_root_derived(a, factories) -> bool:
     return True
 
 
-def _version(t: torch.Tensor):
-    """The version counter; an inference tensor has none. Keys live for one forward, and the
-    hook re-keys (or forgets) every tensor an in-place op writes, so None is safe there."""
+def version(t: torch.Tensor):
+    """The version counter; an inference tensor has none. Keys live for one forward; an in-place
+    write that is seen re-keys (or forgets) the tensor written and, where it has no counter,
+    forgets its aliases (:meth:`Scope.forget_aliases`); and a tensor is keyed only where its
+    writes are seen (``hook._mark``). So None is safe there."""
     return None if t.is_inference() else t._version
 
 
