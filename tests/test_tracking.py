@@ -276,6 +276,15 @@ def _hook_calls(monkeypatch) -> list:
     return calls
 
 
+def _swap(model, cls):
+    """``model``'s layers replaced by ``cls`` layers with the same weights."""
+    for i in range(len(model.layers)):
+        fresh = cls()
+        fresh.load_state_dict(model.layers[i].state_dict())
+        model.layers[i] = fresh
+    return model
+
+
 def _join_inputs():
     g = torch.Generator().manual_seed(3)
     x = torch.randn(3, 4 + 6, 16, generator=g, dtype=torch.float64, requires_grad=True)
@@ -440,11 +449,7 @@ def test_a_plain_tensor_written_past_the_entry_never_reuses_its_key(caplog):
     layers' (whose plan keeps key 0). Its call runs stock SDPA, said so, and every output
     equals stock."""
     torch.manual_seed(0)
-    model = _JoinNet()
-    for i in range(len(model.layers)):
-        fresh = _WeightsWrittenLate()
-        fresh.load_state_dict(model.layers[i].state_dict())
-        model.layers[i] = fresh
+    model = _swap(_JoinNet(), _WeightsWrittenLate)
     x, keep = _join_inputs()
     with torch.inference_mode():
         x = x.detach().clone()
@@ -499,11 +504,7 @@ def test_what_only_the_hook_sees_past_the_entry_keeps_it_through_the_module(laye
     learns "local", not "entry", and every later forward routes every call with one plan per
     mask, equal to stock (also under inference_mode, where no version counter shows a write)."""
     torch.manual_seed(0)
-    model = _JoinNet()
-    for i in range(len(model.layers)):
-        fresh = layer()
-        fresh.load_state_dict(model.layers[i].state_dict())
-        model.layers[i] = fresh
+    model = _swap(_JoinNet(), layer)
     x, keep = _join_inputs()
     ctx = torch.inference_mode() if inference else torch.enable_grad()
     with ctx:
@@ -642,14 +643,6 @@ class _ViewThenWrite(_JoinAttention):
             mask[:, 0] = False
         q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=view).transpose(1, 2).flatten(2)
-
-
-def _swap(model, cls):
-    for i in range(len(model.layers)):
-        fresh = cls()
-        fresh.load_state_dict(model.layers[i].state_dict())
-        model.layers[i] = fresh
-    return model
 
 
 @pytest.mark.parametrize("inference", [False, True], ids=["no_grad", "inference_mode"])
