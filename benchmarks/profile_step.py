@@ -1,6 +1,7 @@
 """Where a training step's time goes: ``train_step.py``'s workload at reduced depth, each variant
 warmed up, then one step under ``torch.profiler``; prints the top ops by self CUDA time and by
-self CPU time, and the step's CPU enqueue time against its GPU end.
+self CPU time, and the step's CPU enqueue time against its GPU end. Stock runs first and again
+last, so a host that slows over the run is not read as the cost of the variants in between.
 
     python benchmarks/profile_step.py --px 512 --compile blocks --double 2 --single 4
 """
@@ -30,7 +31,9 @@ def main():
         base.enable_gradient_checkpointing()
     batch = T.Batch(args, cfg, dev, torch.bfloat16)
     backends = args.backends.split(",") if args.backends else ["auto", "torch"]
-    for name in ["stock", *(f"varlen:{b}" for b in backends)]:
+    # stock again at the end: a host that slows over the run (order, allocator or heap growth)
+    # shows there, not only in the variants that happen to run later.
+    for name in ["stock", *(f"varlen:{b}" for b in backends), "stock (again)"]:
         model = T.sharing_copy(base)
         if name.startswith("varlen:"):
             va.enable_varlen(model, backend=name.split(":", 1)[1])
@@ -48,7 +51,7 @@ def main():
             torch.cuda.synchronize()
             end = (time.perf_counter() - t0) * 1e3
         print(f"==== {name}: CPU enqueue {enq:.1f} ms, step ends {end:.1f} ms (profiled)")
-        if name != "stock":  # Python time per function inside the attention calls
+        if name.startswith("varlen:"):  # Python time per function inside the attention calls
             import cProfile
             import pstats
 
