@@ -28,9 +28,10 @@ installed varlen_attn backend but the reference). Each variant is its own copy o
 module tree sharing the frozen base weights (no extra weight memory), with its own LoRA adapter
 (all from the same init), its own optimizer and, with ``--compile blocks``, its own compiled
 blocks. Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
-turn (drift hits all alike), until ``--max-seconds`` is spent (at least one round). Reported per
-variant: the median ms per step (CUDA events around each synchronised step; wall time on the
-CPU), stock / variant, peak memory (reset per variant turn), varlen_attn's plan builds and host
+turn (drift hits all alike; every other round in reverse order), until ``--max-seconds`` is spent
+(at least one round). Reported per variant: the median ms per step (CUDA events around each
+synchronised step; wall time on the CPU), stock / variant of those medians and, with two rounds
+or more, stock / variant within each round (its median and range), peak memory (reset per variant turn), varlen_attn's plan builds and host
 syncs per timed step, the backends that ran and any fallback, and the first step's output
 against stock's (same weights, same batch).
 
@@ -234,6 +235,7 @@ class Variant:
         self.lora = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.lora, lr=lr)
         self.times: list[float] = []
+        self.rounds: list[list[float]] = []  # the times of each round's turn
         self.peak_bytes = 0
         self.stats = {"backends": {}, "fallbacks": {}, "plan_builds": 0, "host_syncs": 0}
         self.timed_steps = 0
@@ -288,6 +290,7 @@ def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: b
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     graphs = graph_count() if compiled else 0
+    v.rounds.append([])
     for _ in range(reps):
         # A full collection of the model's ~570k Python objects takes ~0.3 s and comes about
         # every 10 steps, stock and varlen alike (benchmarks/NOTES.md): collect outside the
@@ -297,6 +300,7 @@ def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: b
         with C.Stopwatch(dev) as sw:
             v.step(batch)
         v.times.append(sw.ms)
+        v.rounds[-1].append(sw.ms)
     v.timed_steps += reps
     if compiled:
         v.new_graphs += graph_count() - graphs
@@ -311,12 +315,21 @@ def is_oom(e: BaseException) -> bool:
 
 # ------------------------------------------------------------------------------------------ report
 
-def summary(v: Variant, stock_ms: float | None) -> dict:
+def paired_ratios(v: Variant, stock: Variant) -> list[float]:
+    """stock / variant within each round both ran (medians of their turns): a host or GPU that
+    drifts between rounds moves both sides of a ratio alike."""
+    return [statistics.median(s) / statistics.median(t) for s, t in zip(stock.rounds, v.rounds) if s and t]
+
+
+def summary(v: Variant, stock: Variant) -> dict:
     ms = statistics.median(v.times) if v.times else float("nan")
+    stock_ms = statistics.median(stock.times) if stock.times else None
     steps = max(v.timed_steps, 1)
+    paired = paired_ratios(v, stock)
     return {
         "median_ms": ms, "min_ms": min(v.times, default=float("nan")),
         "stock_over_variant": (stock_ms / ms) if stock_ms and v.times else None,
+        "paired_ratios": paired, "paired_ratio_median": statistics.median(paired) if paired else None,
         "peak_mib": v.peak_bytes / 2**20 if v.peak_bytes else None,
         "timed_steps": v.timed_steps, "times_ms": v.times,
         "plan_builds_per_step": v.stats["plan_builds"] / steps, "host_syncs_per_step": v.stats["host_syncs"] / steps,
@@ -330,6 +343,9 @@ def line(name: str, r: dict, varlen: bool) -> str:
         return f"  {name:<22} {r['error']}"
     peak = f"{r['peak_mib'] / 1024:7.2f} GiB" if r["peak_mib"] else "      - GiB"
     ratio = f"{r['stock_over_variant']:5.2f}x" if r["stock_over_variant"] else "    -"
+    paired = r["paired_ratios"]
+    if name != "stock" and len(paired) > 1:  # per round: median, and the range over rounds
+        ratio += f" (rounds {r['paired_ratio_median']:.2f}x, {min(paired):.2f}-{max(paired):.2f})"
     extra = ""
     if varlen:
         ran = ",".join(f"{k}:{n}" for k, n in r["stats"]["backends"].items()) or "none"
@@ -451,7 +467,8 @@ def main():
     for _ in range(args.rounds):
         if rounds_run and time.perf_counter() - t_start > args.max_seconds:
             break
-        for v in live:
+        # Every other round in reverse order: no variant always runs right after the same one.
+        for v in (live if rounds_run % 2 == 0 else live[::-1]):
             if v.error is None:
                 try:
                     run_turn(v, batch, dev, args.reps, compiled)
@@ -466,10 +483,9 @@ def main():
     elapsed = time.perf_counter() - t_start
 
     stock = next(v for v in variants if v.name == "stock")
-    stock_ms = statistics.median(stock.times) if stock.times else None
     results = {}
     for v in variants:
-        r = summary(v, stock_ms)
+        r = summary(v, stock)
         r["warmup_s"] = getattr(v, "warmup_s", None)
         r["warmup_stats"] = getattr(v, "warmup_stats", None)
         if v.first and stock.first and v is not stock:
