@@ -5,7 +5,7 @@
 
 Per forward + backward, host time (Python issuing the work, no sync inside the loop) against GPU
 time, for: the kernel alone on pre-packed tokens (called directly, no varlen_attn code), pack of
-q, k, v alone, unpack alone, the full path (pack + kernel + unpack) eagerly, and the full path
+q, k, v alone, unpack alone, stock masked SDPA on the padded tensors, the full path (pack + kernel + unpack) eagerly, and the full path
 called from a torch.compile'd function (varlen_attn's custom op). Medians of 7 rounds of
 30-iteration loops, the paths taken in turn each round. Host >= GPU time means the GPU waits on
 Python and launches. Then the top ops of the full path by GPU and by CPU time (torch.profiler)
@@ -22,6 +22,7 @@ import cProfile
 import pstats
 
 import torch
+import torch.nn.functional as F
 
 import _common as C
 import varlen_attn as va
@@ -58,6 +59,11 @@ def main():
     paths["pack q, k, v only"] = lambda: (va.pack(q, plan, "q") + 0 * va.pack(k, plan, "k")[:0].sum()
                                           + 0 * va.pack(v, plan, "k")[:0].sum())
     paths["unpack only"] = lambda: va.unpack(qp, plan, "q")
+    mask = inp.full_mask
+    # Stock: what the hook replaces (the host time a varlen path must not exceed where a step is
+    # host-bound).
+    paths["stock masked SDPA"] = lambda: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask).transpose(1, 2)
     paths["varlen_attn.attention, eager"] = full
     paths["varlen_attn.attention, torch.compile'd caller"] = lambda: compiled(q, k, v, plan)
 
