@@ -23,6 +23,7 @@ import pstats
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import _common as C
 import varlen_attn as va
@@ -72,6 +73,12 @@ def main():
           f"(median of {args.rounds} rounds, paths interleaved)")
     for label, (host, gpu) in C.interleaved(paths, device, args.rounds, args.iters).items():
         print(f"{label:<48}{host:>14.3f}{gpu:>13.3f}")
+    # Where a path is host-bound, what the host issues counts: aten ops per forward + backward
+    # (views included: each is a dispatcher call), and those that write memory (a kernel each).
+    print(f"{'path':<48}{'aten ops fwd / bwd':>20}{'writing fwd / bwd':>19}")
+    for label in ("stock masked SDPA", "varlen_attn.attention, eager"):
+        (fwd, fwd_w), (bwd, bwd_w) = count_ops(paths[label])
+        print(f"{label:<48}{f'{fwd} / {bwd}':>20}{f'{fwd_w} / {bwd_w}':>19}")
 
     from torch.profiler import ProfilerActivity, profile
 
@@ -95,6 +102,37 @@ def main():
         C.sync(device)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops, self.writing = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops += 1
+        schema = func._schema
+        # A kernel launch: an op that allocates a result or writes one of its arguments (views,
+        # detach, empty allocations launch nothing).
+        if not (func.is_view or func in _NO_KERNEL) and (schema.is_mutable or schema.returns):
+            self.writing += 1
+        return out
+
+
+_NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
+              torch.ops.aten.empty.memory_format, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
+
+
+def count_ops(fn):
+    """``((ops, writing) forward, (ops, writing) backward)`` of one call of ``fn`` and its backward."""
+    C.fwd_bwd(fn)  # warm: plans, selection
+    with _OpCounter() as f:
+        out = fn()
+    grad = torch.ones_like(out)
+    with _OpCounter() as b:
+        out.backward(grad)
+    return (f.ops, f.writing), (b.ops, b.writing)
 
 
 if __name__ == "__main__":
