@@ -31,10 +31,10 @@ blocks. Every variant is warmed up, then ``--rounds`` rounds run each variant ``
 turn (drift hits all alike; every other round in reverse order), until ``--max-seconds`` is spent
 (at least one round). Reported per variant: the median ms per step (CUDA events around each
 synchronised step; wall time on the CPU), stock / variant of those medians and, with two rounds
-or more, stock / variant within each round (its median and range), the median CPU time the
-issuing thread spent per step (``time.thread_time``, up to the step's last call, before the final
-sync: the host work that decides a host-bound step, less disturbed by other tenants of the host
-than wall time; it includes any spin-wait in varlen_attn's one host sync), peak memory (reset per variant turn), varlen_attn's plan builds and host
+or more, stock / variant within each round (its median and range), the median CPU time of the
+main thread per step (``time.thread_time`` before the final sync: the forward, the loss and the
+optimizer step; CUDA backward, checkpoint recomputation included, runs on autograd's device
+thread and is not in it), peak memory (reset per variant turn), varlen_attn's plan builds and host
 syncs per timed step, the backends that ran and any fallback, and the first step's output
 against stock's (same weights, same batch).
 
@@ -239,7 +239,7 @@ class Variant:
         self.opt = torch.optim.AdamW(self.lora, lr=lr)
         self.times: list[float] = []
         self.rounds: list[list[float]] = []  # the times of each round's turn
-        self.cpu_ms: list[float] = []  # CPU time of the issuing thread per step
+        self.cpu_ms: list[float] = []  # CPU time of the main thread per step (not the backward's thread)
         self.peak_bytes = 0
         self.stats = {"backends": {}, "fallbacks": {}, "plan_builds": 0, "host_syncs": 0}
         self.timed_steps = 0
@@ -336,7 +336,7 @@ def summary(v: Variant, stock: Variant) -> dict:
         "median_ms": ms, "min_ms": min(v.times, default=float("nan")),
         "stock_over_variant": (stock_ms / ms) if stock_ms and v.times else None,
         "paired_ratios": paired, "paired_ratio_median": statistics.median(paired) if paired else None,
-        "host_cpu_ms": statistics.median(v.cpu_ms) if v.cpu_ms else None, "host_cpu_times_ms": v.cpu_ms,
+        "main_thread_cpu_ms": statistics.median(v.cpu_ms) if v.cpu_ms else None, "main_thread_cpu_times_ms": v.cpu_ms,
         "peak_mib": v.peak_bytes / 2**20 if v.peak_bytes else None,
         "timed_steps": v.timed_steps, "times_ms": v.times,
         "plan_builds_per_step": v.stats["plan_builds"] / steps, "host_syncs_per_step": v.stats["host_syncs"] / steps,
@@ -362,7 +362,7 @@ def line(name: str, r: dict, varlen: bool) -> str:
             extra += f"  FALLBACKS {sum(r['stats']['fallbacks'].values())}"
     if "max_abs_diff_vs_stock" in r:
         extra += f"  step-0 max|diff| vs stock {r['max_abs_diff_vs_stock']:.2e}"
-    cpu = f"  host CPU {r['host_cpu_ms']:7.1f} ms" if r["host_cpu_ms"] is not None else ""
+    cpu = f"  main-thread CPU {r['main_thread_cpu_ms']:7.1f} ms" if r["main_thread_cpu_ms"] is not None else ""
     return f"  {name:<22} {r['median_ms']:9.1f} ms/step  {ratio}{cpu}  peak {peak}{extra}"
 
 

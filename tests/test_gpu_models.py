@@ -1,11 +1,13 @@
 """GPU: tiny diffusers models in bf16 with enable_varlen on the best GPU backend vs stock, both
 measured against a float64 CPU run of the same weights. Run with ``python -m pytest -m gpu``."""
 
+import warnings
+
 import pytest
 import torch
 
 import varlen_attn as va
-from _models import chroma_inputs, step, tiny_chroma
+from _models import chroma_inputs, loss, step, tiny_chroma
 from _testing import assert_model_close
 
 pytestmark = [
@@ -115,3 +117,55 @@ def test_cuda_graphs_with_checkpointing_run_where_stock_runs():
     assert error is None, error
     ref = step(tiny_chroma(), chroma_inputs((5, 2, 0), seed=2))
     assert_model_close(got, ref, baseline=want, what="checkpointing")
+
+def _synchronising_calls(fn) -> int:
+    """How many synchronising CUDA calls ``fn()`` makes (torch's sync debug mode sees every one,
+    those inside a kernel's Python wrapper included)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def test_a_training_step_syncs_the_host_once_more_than_stock():
+    """Eager, gradient checkpointing on, a new mask every step: the enabled step makes exactly
+    one synchronising call more than stock's (the plan's), in no attention layer of its own."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    stock = tiny_chroma(dtype=torch.bfloat16, device="cuda")
+    model = va.enable_varlen(tiny_chroma(dtype=torch.bfloat16, device="cuda"))
+    for m in (stock, model):
+        m.enable_gradient_checkpointing()
+        m.train()
+    for i in range(3):  # the first forward learns how to follow its masks; later ones track them
+        inputs = chroma_inputs((5, 2, 0), seed=i, dtype=torch.bfloat16, device="cuda")
+
+        def run(m):
+            return lambda: loss(m(**inputs)[0]).backward()
+
+        base = _synchronising_calls(run(stock))
+        va.reset_stats()
+        ours = _synchronising_calls(run(model))
+        st = va.stats()
+        assert st["host_syncs"] == 1 and st["plan_builds"] == 1 and "sdpa" not in st["backends"], st
+        assert ours == base + 1, (i, ours, base)
+
+
+@pytest.mark.parametrize("backend", ["flash_attn_4", "flash_attn_3", "flash_attn", "torch", "split_sdpa"])
+def test_an_attention_call_with_its_plan_never_syncs(backend):
+    """Forward and backward of one call given its plan: no synchronising call, whichever kernel
+    runs (a wrapper that read a device value would show here)."""
+    if backend not in va.available_backends("cuda"):
+        pytest.skip(f"{backend} not installed")
+    b, s, h, d = 3, 96, 4, 64
+    keep = torch.arange(s)[None] < torch.tensor([96, 40, 7])[:, None]
+    mask = (keep[:, None, :, None] & keep[:, None, None, :]).cuda()
+    q, k, v = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    plan = va.build_plan(mask, num_heads=h, convention="torch")
+    va.attention(q, k, v, mask, plan=plan, backend=backend).sum().backward()  # warm: kernel compile, selection
+    n = _synchronising_calls(lambda: va.attention(q, k, v, mask, plan=plan, backend=backend).sum().backward())
+    assert n == 0, (backend, n)
