@@ -5,10 +5,11 @@
 
 Per forward + backward, host time (Python issuing the work, no sync inside the loop) against GPU
 time, for: the kernel alone on pre-packed tokens (called directly, no varlen_attn code), pack of
-q, k, v alone, unpack alone, stock masked SDPA on the padded tensors, the full path (pack + kernel + unpack) eagerly, and the full path
-called from a torch.compile'd function (varlen_attn's custom op). Medians of 7 rounds of
-30-iteration loops, the paths taken in turn each round. Host >= GPU time means the GPU waits on
-Python and launches. Then the top ops of the full path by GPU and by CPU time (torch.profiler)
+q, k, v alone, unpack alone, stock masked SDPA on the padded tensors, the full path (pack +
+kernel + unpack) eagerly, and the full path called from a torch.compile'd function (varlen_attn's
+custom op). Medians of 7 rounds of 30-iteration loops, the paths taken in turn each round. Host
+>= GPU time means the GPU waits on Python and launches. Then the aten ops per forward and per
+backward of stock and of the eager path, and the top ops of the full path by GPU and by CPU time (torch.profiler)
 and, with ``--cprofile``, its top Python functions by own time.
 
 The A/B comparisons of earlier versions (split_sdpa's cut, the scatter, one node for q, k, v,
@@ -112,16 +113,13 @@ class _OpCounter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         self.ops += 1
-        schema = func._schema
-        # A kernel launch: an op that allocates a result or writes one of its arguments (views,
-        # detach, empty allocations launch nothing).
-        if not (func.is_view or func in _NO_KERNEL) and (schema.is_mutable or schema.returns):
-            self.writing += 1
+        # Every other op writes memory (a kernel each): views, detach and allocations launch nothing.
+        self.writing += not (func.is_view or func in _NO_KERNEL)
         return out
 
 
 _NO_KERNEL = {torch.ops.aten.detach.default, torch.ops.aten.empty_like.default, torch.ops.aten.new_empty.default,
-              torch.ops.aten.empty.memory_format, torch.ops.aten._unsafe_view.default, torch.ops.aten.alias.default}
+              torch.ops.aten.empty.memory_format, torch.ops.aten._unsafe_view.default}
 
 
 def count_ops(fn):

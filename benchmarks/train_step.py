@@ -237,8 +237,7 @@ class Variant:
         self.name, self.model, self.masked = name, model, masked
         self.lora = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.lora, lr=lr)
-        self.times: list[float] = []
-        self.rounds: list[list[float]] = []  # the times of each round's turn
+        self.rounds: list[list[float]] = []  # ms per timed step, one list per round's turn
         self.cpu_ms: list[float] = []  # CPU time of the main thread per step (not the backward's thread)
         self.peak_bytes = 0
         self.stats = {"backends": {}, "fallbacks": {}, "plan_builds": 0, "host_syncs": 0}
@@ -246,6 +245,10 @@ class Variant:
         self.new_graphs = 0
         self.first: dict = {}
         self.error: str | None = None
+
+    @property
+    def times(self) -> list[float]:
+        return [ms for turn in self.rounds for ms in turn]
 
     def step(self, batch: Batch, probe: bool = False):
         """One training step with a new mask; with ``probe``, what the first step produced."""
@@ -305,7 +308,6 @@ def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: b
             c0 = time.thread_time()
             v.step(batch)
             v.cpu_ms.append((time.thread_time() - c0) * 1e3)  # before the stopwatch's final sync
-        v.times.append(sw.ms)
         v.rounds[-1].append(sw.ms)
     v.timed_steps += reps
     if compiled:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -342,6 +343,20 @@ def assert_model_equal(got, ref, what=""):
     assert got.keys() == ref.keys(), f"{prefix}different tensors: {sorted(got.keys() ^ ref.keys())}"
     for name, r in ref.items():
         assert torch.equal(got[name], r), f"{prefix}{name}: not bitwise equal"
+
+
+def synchronising_calls(fn) -> list[str]:
+    """The messages of the synchronising CUDA calls ``fn()`` makes: torch's sync debug mode sees
+    every one, those inside a kernel's Python wrapper included (``CountSyncs`` sees only ops)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return [str(w.message) for w in seen if "synchroniz" in str(w.message)]
 
 
 class CountSyncs(TorchDispatchMode):

@@ -4,8 +4,6 @@ fp16, against a float64 reference with data-derived tolerances; no host sync per
 Run on a CUDA machine with ``python -m pytest -m gpu``; skipped (with the reason) elsewhere.
 """
 
-import warnings
-
 import pytest
 import torch
 from hypothesis import given, note, settings
@@ -13,7 +11,7 @@ from hypothesis import strategies as st
 
 import varlen_attn as va
 from _testing import (STATIC_KINDS, assert_matches, cases, effective_keep, is_segment_pattern, one_segment,
-                      run_with_grads, sdpa_fn, static_attention)
+                      run_with_grads, sdpa_fn, static_attention, synchronising_calls)
 from varlen_attn import kernels
 
 pytestmark = [
@@ -122,17 +120,9 @@ def test_plan_build_syncs_once_on_cuda():
     dev = torch.device("cuda")
     keep = torch.rand(3, 200, device=dev) > 0.3
     mask = keep[:, None, :, None] & keep[:, None, None, :]
-    torch.cuda.synchronize()
     va.reset_stats()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            va.build_plan(mask)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    syncs = [w for w in seen if "synchroniz" in str(w.message)]
-    assert len(syncs) <= 1, [str(w.message) for w in syncs]
+    syncs = synchronising_calls(lambda: va.build_plan(mask))
+    assert len(syncs) <= 1, syncs
     assert va.stats()["host_syncs"] == 1
 
 
