@@ -1,10 +1,12 @@
 """One attention call with its plan in hand: where it goes (:func:`route`) and running it.
 
-Tensors here are padded ``[B, S, H, D]`` (flash-attn's layout). A call goes one of three ways:
+Tensors here are padded ``[B, S, H, D]`` (flash-attn's layout). A call goes one of four ways:
 
 * **fused**: a backend with its own backward (``Backend.NATIVE_BACKWARD``, FA4) runs pack +
   kernel + unpack as one autograd node (:mod:`varlen_attn.fused`);
 * **packed**: pack q, k, v, the backend's forward under autograd, unpack;
+* **padded**: a backend that reads the padded tensors itself (``Backend.PADDED``, ``flex``),
+  under autograd, with the plan for its segments;
 * **masked SDPA** on the padded tensors: no mask at all, ``backend="sdpa"``, or a mask that
   cannot be packed (the reason goes to :func:`varlen_attn.stats`).
 
@@ -83,7 +85,7 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
         raise InputValueError(f"plan was built on {plan.device}, query is on {q.device}")
     scale = q.shape[-1] ** -0.5 if opts.scale is None else float(opts.scale)
     impl = _select(q, k, v, plan, scale, opts, name)
-    fused = impl.NATIVE_BACKWARD and plan.total_q > 0 and not opts.dropout_p
+    fused = impl.NATIVE_BACKWARD and not impl.PADDED and plan.total_q > 0 and not opts.dropout_p
     return Route(impl, None, scale, fused)
 
 
@@ -130,6 +132,8 @@ def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> tor
     _stats.record_backend(r.impl.NAME)
     if r.fused:
         return FusedAttention.apply(q, k, v, plan, r.impl, r.scale, opts.causal)
+    if r.impl.PADDED:
+        return r.impl.forward_padded(q, k, v, plan, r.scale, opts.causal)
     qp, kp, vp = pack_qkv(q, k, v, plan)
     inp = VarlenInputs(qp, kp, vp, plan, r.scale, opts.causal, opts.dropout_p)
     # Every query masked (caption dropout on a whole batch): nothing for a kernel to do.

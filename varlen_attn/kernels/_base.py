@@ -68,6 +68,8 @@ class Backend:
     # True when forward_lse/backward call the kernel's own forward and backward entry points
     # (then pack + kernel + unpack run as one autograd node, varlen_attn.fused).
     NATIVE_BACKWARD: bool = False
+    # True when the kernel runs on the padded tensors itself (forward_padded): no pack, no unpack.
+    PADDED: bool = False
 
     def is_installed(self) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in self.REQUIRES)
@@ -124,6 +126,12 @@ class Backend:
         ``NATIVE_BACKWARD`` backends; the others get gradients by autograd through
         :meth:`forward` (eagerly, or recomputed inside varlen_attn.op's backward op)."""
         raise NotImplementedError(f"backend {self.NAME!r} has no forward/backward entry points")
+
+    def forward_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan,
+                       scale: float, causal: bool) -> torch.Tensor:
+        """Padded ``[B, S, H, D]`` q, k, v -> ``[B, Sq, Hq, Dv]`` with autograd, attention within
+        the plan's segments and zeros at query positions in none. Only for ``PADDED`` backends."""
+        raise NotImplementedError(f"backend {self.NAME!r} runs on packed tensors")
 
     def __repr__(self) -> str:
         return f"<varlen backend {self.NAME!r}>"

@@ -1,0 +1,103 @@
+"""The ``flex`` backend's own parts on the CPU: segment ids and the block mask made from a plan.
+
+FlexAttention has no backward on the CPU, so here its forward (the eager implementation) is
+compared with masked SDPA in float64; outputs and gradients of the compiled kernel are compared
+on a GPU (``tests/test_gpu.py`` runs every CUDA backend)."""
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, note
+from hypothesis import strategies as st
+
+import varlen_attn as va
+from _testing import assert_matches, cases, effective_keep, is_segment_pattern, sdpa_fn
+from varlen_attn.kernels import flex
+
+pytest.importorskip("torch.nn.attention.flex_attention")
+
+
+def plan_of(case):
+    return va.build_plan(case.mask, batch_size=case.q.shape[0], num_heads=case.q.shape[1],
+                         seqlen_q=case.q.shape[2], seqlen_k=case.k.shape[2], convention="torch")
+
+
+def packable(case) -> bool:
+    keep = effective_keep(case)
+    return keep is not None and is_segment_pattern(keep)
+
+
+@given(case=cases(max_s=300))
+def test_flex_forward_equals_sdpa_float64(case):
+    note(repr(case))
+    if not packable(case):
+        return
+    plan = plan_of(case)
+    q, k, v = (t.transpose(1, 2) for t in (case.q, case.k, case.v))
+    with warnings.catch_warnings():  # the eager kernel warns that it is slow, once
+        warnings.simplefilter("ignore", UserWarning)
+        out = flex.flex_padded(q, k, v, plan, q.shape[-1] ** -0.5, compiled=False).transpose(1, 2)
+    ref = sdpa_fn(case, torch.float64, exact=True)(case.q, case.k, case.v)
+    baseline = sdpa_fn(case, torch.float64)(case.q, case.k, case.v)
+    assert_matches([out], [ref], [baseline], torch.float64, names=("out",))
+
+
+@given(case=cases(max_s=300))
+def test_segment_ids_say_which_positions_attend_each_other(case):
+    """Two padded positions share a segment id exactly where the mask lets the query see the
+    key; the id is -1 exactly where a query sees no key, or no query sees the key."""
+    note(repr(case))
+    if not packable(case):
+        return
+    plan = plan_of(case)
+    keep = effective_keep(case)[:, 0]  # [B, Sq, Sk], equal in every head for a packable mask
+    seg_q, seg_k = flex.segment_ids(plan, "q"), flex.segment_ids(plan, "k")
+    same = (seg_q[:, :, None] == seg_k[:, None, :]) & (seg_q[:, :, None] >= 0)
+    assert torch.equal(same, keep)
+    assert torch.equal(seg_q < 0, ~keep.any(2))
+    assert torch.equal(seg_k < 0, ~keep.any(1))
+
+
+def dense_tables(bm):
+    """A BlockMask's partial and full block tables as dense ``[B, nq, nk]`` booleans."""
+    def dense(num, idx):
+        b, _, nq, nk = idx.shape
+        cols = torch.arange(nk)
+        take = cols[None, None] < num[:, 0, :, None]  # the first num entries of each row count
+        hits = torch.zeros(b, nq, nk, dtype=torch.int64).scatter_add_(2, idx[:, 0].long(), take.long())
+        return hits > 0
+
+    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+
+
+@given(b=st.integers(1, 3), sq=st.integers(1, 600), sk=st.integers(1, 600), nseg=st.integers(1, 5),
+       seed=st.integers(0, 2**31 - 1), runs=st.booleans())
+def test_block_mask_skips_only_empty_blocks_and_calls_full_only_full_ones(b, sq, sk, nseg, seed, runs):
+    g = torch.Generator().manual_seed(seed)
+    if runs:  # segments as runs of positions, as padding makes them
+        seg_q = torch.randint(-1, nseg, (b, -(-sq // 50)), generator=g).repeat_interleave(50, 1)[:, :sq]
+        seg_k = torch.randint(-1, nseg, (b, -(-sk // 70)), generator=g).repeat_interleave(70, 1)[:, :sk]
+    else:
+        seg_q, seg_k = torch.randint(-1, nseg, (b, sq), generator=g), torch.randint(-1, nseg, (b, sk), generator=g)
+    bm = flex.block_mask_of(seg_q, seg_k)
+    partial, full = dense_tables(bm)
+    n = flex.BLOCK
+    nq, nk = -(-sq // n), -(-sk // n)
+    pq = torch.nn.functional.pad(seg_q, (0, nq * n - sq), value=-1)
+    pk = torch.nn.functional.pad(seg_k, (0, nk * n - sk), value=-2)  # padding never matches
+    keep = (pq[:, :, None] == pk[:, None, :]) & (pq[:, :, None] >= 0)
+    blocks = keep.view(b, nq, n, nk, n)
+    anywhere, everywhere = blocks.any(4).any(2), blocks.all(4).all(2)
+    assert not (partial & full).any()
+    assert torch.equal(anywhere & ~(partial | full), torch.zeros_like(anywhere))  # no needed block skipped
+    assert torch.equal(full & ~everywhere, torch.zeros_like(full))  # full only where every pair attends
+
+
+def test_flex_runs_on_cuda_only():
+    """FlexAttention has no backward on the CPU: the backend declares CUDA, and an explicit
+    request on the CPU says so."""
+    q = k = v = torch.randn(1, 1, 4, 16)
+    with pytest.raises(va.BackendUnavailableError, match=r"backend 'flex' cannot run .*device cpu not in \['cuda'\]"):
+        va.scaled_dot_product_attention(q, k, v, torch.tensor([True, False, True, True]), backend="flex")
+    assert "flex" not in va.available_backends("cpu")
