@@ -89,6 +89,10 @@ def test_block_mask_skips_only_empty_blocks_and_calls_full_only_full_ones(b, sq,
     keep = (pq[:, :, None] == pk[:, None, :]) & (pq[:, :, None] >= 0)
     blocks = keep.view(b, nq, n, nk, n)
     anywhere, everywhere = blocks.any(4).any(2), blocks.all(4).all(2)
+    q_partial, q_full = dense_tables(type("T", (), {"kv_num_blocks": bm.q_num_blocks, "kv_indices": bm.q_indices,
+                                                      "full_kv_num_blocks": bm.full_q_num_blocks,
+                                                      "full_kv_indices": bm.full_q_indices}))
+    assert torch.equal(q_partial, partial.transpose(1, 2)) and torch.equal(q_full, full.transpose(1, 2))
     assert not (partial & full).any()
     assert torch.equal(anywhere & ~(partial | full), torch.zeros_like(anywhere))  # no needed block skipped
     assert torch.equal(full & ~everywhere, torch.zeros_like(full))  # full only where every pair attends
@@ -101,3 +105,24 @@ def test_flex_runs_on_cuda_only():
     with pytest.raises(va.BackendUnavailableError, match=r"backend 'flex' cannot run .*device cpu not in \['cuda'\]"):
         va.scaled_dot_product_attention(q, k, v, torch.tensor([True, False, True, True]), backend="flex")
     assert "flex" not in va.available_backends("cpu")
+
+
+@torch.library.custom_op("varlen_attn_tests::flex_block_count", mutates_args=())
+def _block_count(seg: torch.Tensor) -> torch.Tensor:
+    bm = flex.block_mask_of(seg, seg)
+    return bm.kv_num_blocks + bm.full_kv_num_blocks
+
+
+@_block_count.register_fake
+def _(seg):
+    return seg.new_empty((seg.shape[0], 1, -(-seg.shape[1] // flex.BLOCK)), dtype=torch.int32)
+
+
+def test_block_mask_is_made_inside_a_compiled_graph():
+    """Under torch.compile the backend runs inside varlen_attn's custom op, called from the
+    compiled graph: BlockMask.from_kv_blocks' vmap failed there ("Cannot access storage of
+    BatchedTensorImpl", first seen on an H100 with compiled blocks); the tables are made
+    without it."""
+    seg = torch.tensor([[0] * 200 + [-1] * 56, [1] * 256])
+    counts = torch.compile(lambda s: _block_count(s), backend="aot_eager", fullgraph=True)(seg)
+    assert torch.equal(counts, torch.tensor([[[2, 2]], [[2, 2]]], dtype=torch.int32))

@@ -70,15 +70,20 @@ def block_mask_of(seg_q: torch.Tensor, seg_k: torch.Tensor):
     touch = (qhi[:, :, None] >= klo[:, None, :]) & (khi[:, None, :] >= qlo[:, :, None])
     full = (touch & (qall & (qlo == qhi))[:, :, None] & (kall & (klo == khi))[:, None, :]
             & (qlo[:, :, None] == klo[:, None, :]))
-    kv_num, kv_idx = _ordered(touch & ~full)
-    full_num, full_idx = _ordered(full)
+    partial = touch & ~full
 
     def same_segment(b, h, q_idx, kv_idx):
         sq = seg_q[b, q_idx]
         return (sq == seg_k[b, kv_idx]) & (sq >= 0)
 
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BLOCK,
-                                    mask_mod=same_segment, seq_lengths=(seg_q.shape[1], seg_k.shape[1]))
+    # The backward's tables (per key block) from the same booleans, transposed: not through
+    # BlockMask.from_kv_blocks, whose vmap fails inside a custom op (the compiled path's).
+    tables = {}
+    for name, blocks in (("", partial), ("full_", full)):
+        tables[name + "kv_num_blocks"], tables[name + "kv_indices"] = _ordered(blocks)
+        tables[name + "q_num_blocks"], tables[name + "q_indices"] = _ordered(blocks.transpose(1, 2))
+    return BlockMask(seq_lengths=(seg_q.shape[1], seg_k.shape[1]), BLOCK_SIZE=(BLOCK, BLOCK),
+                     mask_mod=same_segment, **tables)
 
 
 # plan -> (block mask, query rows in a segment [B, 1, Sq, 1]): made at a plan's first flex call,
