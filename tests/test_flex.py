@@ -126,3 +126,18 @@ def test_block_mask_is_made_inside_a_compiled_graph():
     seg = torch.tensor([[0] * 200 + [-1] * 56, [1] * 256])
     counts = torch.compile(lambda s: _block_count(s), backend="aot_eager", fullgraph=True)(seg)
     assert torch.equal(counts, torch.tensor([[[2, 2]], [[2, 2]]], dtype=torch.int32))
+
+
+def test_flex_declines_inside_a_compiled_graph():
+    """Inside a running compiled graph (varlen_attn's custom op) dynamo compiles nothing and
+    FlexAttention's eager path fails: the backend says so, so an explicit request raises with
+    the reason and auto takes the next backend."""
+    q = k = v = torch.randn(1, 4, 1, 16)
+    keep = torch.tensor([[True, False, True, True]])
+    compiled = torch.compile(lambda q, k, v: va.attention(q, k, v, keep, backend="flex"), backend="aot_eager",
+                             fullgraph=True)
+    with pytest.raises(va.BackendUnavailableError, match="called from a torch.compile graph"):
+        compiled(q, k, v)
+    with pytest.raises(va.BackendUnavailableError) as eager:
+        va.attention(q, k, v, keep, backend="flex")
+    assert "torch.compile graph" not in str(eager.value)

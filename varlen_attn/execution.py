@@ -26,7 +26,7 @@ from . import _stats
 from ._errors import BackendUnavailableError, InputValueError, NotPackableError
 from .fused import FusedAttention, packed_backward, packed_forward
 from .kernels import SDPA, Backend, VarlenInputs, select
-from .kernels._base import empty_output
+from .kernels._base import empty_output, inside_compiled_graph
 from .masks import canonical_mask
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
 from .plan import VarlenPlan
@@ -96,7 +96,7 @@ _selected: "weakref.WeakKeyDictionary[VarlenPlan, dict]" = weakref.WeakKeyDictio
 
 def _select(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -> Backend:
     key = (name, q.dtype, q.device, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], scale > 0,
-           opts.causal, opts.dropout_p > 0)
+           opts.causal, opts.dropout_p > 0, inside_compiled_graph())
     chosen = _selected.get(plan)
     if chosen is None:
         chosen = _selected.setdefault(plan, {})

@@ -36,6 +36,7 @@ from torch import Tensor
 from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError
 from .execution import Options
+from .kernels._base import compiled_graph
 from .plan import (REASONS, STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool,
                    refuse_nan_inf, static_plan_of, static_plan_tensors_of)
 from .scope import Policy, current_scope, float_mask_read_as_bool, mask_info, resolve_plan, traced_signature
@@ -126,7 +127,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
                             convention=convention, policy=policy, plan=plan, scope=current_scope(),
                             roots=roots, derivation=derivation)
         mask4 = execution.mask4_of(mask, q, k, convention)
-        r = execution.route(q, k, v, plan, mask4, opts, policy)
+        with compiled_graph():
+            r = execution.route(q, k, v, plan, mask4, opts, policy)
         # The lse output is zero past the plan's rows and on routes that make none: an op's outputs
         # must not depend on what the allocator left (torch.library.opcheck compares them).
         if r.fused:
@@ -366,7 +368,8 @@ def _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask
     """``(plan, route, opts)`` of the static op's forward and backward, from the plan's tensors."""
     plan = static_plan_of(plan_tensors, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
     opts = Options(scale, False, 0.0, gqa)
-    return plan, execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model)), opts
+    with compiled_graph():
+        return plan, execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model)), opts
 
 
 @torch.library.custom_op("varlen_attn::static_attention", mutates_args=())

@@ -10,7 +10,9 @@ read. Query rows in no segment come out as zeros, as SDPA's rows with no valid k
 
 On CUDA the kernel is ``torch.compile(flex_attention)``, compiled once per shape and dtype;
 FlexAttention has no backward on the CPU, so ``auto`` never picks it there and the backend
-declares CUDA only (its forward runs on the CPU for tests: :func:`flex_padded`).
+declares CUDA only (its forward runs on the CPU for tests: :func:`flex_padded`). Eager callers
+only: inside a ``torch.compile`` graph (varlen_attn's custom op) dynamo compiles nothing, so the
+backend declares itself unable there and ``auto`` takes the next one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import weakref
 
 import torch
 
-from ._base import Backend, VarlenInputs
+from ._base import Backend, VarlenInputs, inside_compiled_graph
 
 BLOCK = 128  # FlexAttention's default sparse block size
 
@@ -139,6 +141,10 @@ class FlexBackend(Backend):
         d = inp.q.shape[-1]
         if d < 16 or d & (d - 1):
             reasons.append(f"head dim {d} is not a power of two >= 16 (FlexAttention's compiled kernel)")
+        if inside_compiled_graph():
+            # Inside a running compiled graph dynamo does not compile, and FlexAttention's eager
+            # implementation fails there (its vmap, below autograd): seen on an H100.
+            reasons.append("called from a torch.compile graph, where FlexAttention cannot compile (eager only)")
         return reasons
 
     def forward_padded(self, q, k, v, plan, scale: float, causal: bool) -> torch.Tensor:
