@@ -59,16 +59,13 @@ def test_segment_ids_say_which_positions_attend_each_other(case):
     assert torch.equal(seg_k < 0, ~keep.any(1))
 
 
-def dense_tables(bm):
-    """A BlockMask's partial and full block tables as dense ``[B, nq, nk]`` booleans."""
-    def dense(num, idx):
-        b, _, nq, nk = idx.shape
-        cols = torch.arange(nk)
-        take = cols[None, None] < num[:, 0, :, None]  # the first num entries of each row count
-        hits = torch.zeros(b, nq, nk, dtype=torch.int64).scatter_add_(2, idx[:, 0].long(), take.long())
-        return hits > 0
-
-    return dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
+def dense(num, idx):
+    """A BlockMask table (counts ``[B, 1, n]``, ordered indices ``[B, 1, n, m]``) as a dense
+    ``[B, n, m]`` boolean."""
+    b, _, n, m = idx.shape
+    take = torch.arange(m)[None, None] < num[:, 0, :, None]  # the first num entries of each row count
+    hits = torch.zeros(b, n, m, dtype=torch.int64).scatter_add_(2, idx[:, 0].long(), take.long())
+    return hits > 0
 
 
 @given(b=st.integers(1, 3), sq=st.integers(1, 600), sk=st.integers(1, 600), nseg=st.integers(1, 5),
@@ -81,7 +78,7 @@ def test_block_mask_skips_only_empty_blocks_and_calls_full_only_full_ones(b, sq,
     else:
         seg_q, seg_k = torch.randint(-1, nseg, (b, sq), generator=g), torch.randint(-1, nseg, (b, sk), generator=g)
     bm = flex.block_mask_of(seg_q, seg_k)
-    partial, full = dense_tables(bm)
+    partial, full = dense(bm.kv_num_blocks, bm.kv_indices), dense(bm.full_kv_num_blocks, bm.full_kv_indices)
     n = flex.BLOCK
     nq, nk = -(-sq // n), -(-sk // n)
     pq = torch.nn.functional.pad(seg_q, (0, nq * n - sq), value=-1)
@@ -89,9 +86,7 @@ def test_block_mask_skips_only_empty_blocks_and_calls_full_only_full_ones(b, sq,
     keep = (pq[:, :, None] == pk[:, None, :]) & (pq[:, :, None] >= 0)
     blocks = keep.view(b, nq, n, nk, n)
     anywhere, everywhere = blocks.any(4).any(2), blocks.all(4).all(2)
-    q_partial, q_full = dense_tables(type("T", (), {"kv_num_blocks": bm.q_num_blocks, "kv_indices": bm.q_indices,
-                                                      "full_kv_num_blocks": bm.full_q_num_blocks,
-                                                      "full_kv_indices": bm.full_q_indices}))
+    q_partial, q_full = dense(bm.q_num_blocks, bm.q_indices), dense(bm.full_q_num_blocks, bm.full_q_indices)
     assert torch.equal(q_partial, partial.transpose(1, 2)) and torch.equal(q_full, full.transpose(1, 2))
     assert not (partial & full).any()
     assert torch.equal(anywhere & ~(partial | full), torch.zeros_like(anywhere))  # no needed block skipped

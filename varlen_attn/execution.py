@@ -85,7 +85,7 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
         raise InputValueError(f"plan was built on {plan.device}, query is on {q.device}")
     scale = q.shape[-1] ** -0.5 if opts.scale is None else float(opts.scale)
     impl = _select(q, k, v, plan, scale, opts, name)
-    fused = impl.NATIVE_BACKWARD and not impl.PADDED and plan.total_q > 0 and not opts.dropout_p
+    fused = impl.NATIVE_BACKWARD and plan.total_q > 0 and not opts.dropout_p
     return Route(impl, None, scale, fused)
 
 

@@ -22,6 +22,7 @@ import weakref
 
 import torch
 
+from ..pack import _side
 from ._base import Backend, VarlenInputs, inside_compiled_graph
 
 BLOCK = 128  # FlexAttention's default sparse block size
@@ -30,9 +31,8 @@ BLOCK = 128  # FlexAttention's default sparse block size
 def segment_ids(plan, which: str) -> torch.Tensor:
     """``[B, S]`` int64: the plan's segment of each padded query (``"q"``) or key (``"k"``)
     position, -1 where it is in none. Device ops only (static plans too: no host value read)."""
-    cu, inverse, padding, seqlen = ((plan.cu_seqlens_q, plan.inverse_q, plan.padding_q, plan.seqlen_q)
-                                    if which == "q" else
-                                    (plan.cu_seqlens_k, plan.inverse_k, plan.padding_k, plan.seqlen_k))
+    _, seqlen, _, inverse, padding = _side(plan, which)
+    cu = plan.cu_seqlens_q if which == "q" else plan.cu_seqlens_k
     seg = torch.searchsorted(cu.to(torch.int64), inverse, right=True) - 1
     if padding.dtype == torch.bool:
         seg = seg.masked_fill(padding, -1)
