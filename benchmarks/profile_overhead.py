@@ -2,6 +2,7 @@
 
     python benchmarks/profile_overhead.py [--shape chroma512] [--backend flash_attn_4] [--cprofile]
     python benchmarks/profile_overhead.py --device cpu      # smoke run, tiny shape
+    python benchmarks/profile_overhead.py --backend torch --also split_sdpa,flex  # several, interleaved
 
 Per forward + backward, host time (Python issuing the work, no sync inside the loop) against GPU
 time, for: the kernel alone on pre-packed tokens (called directly, no varlen_attn code), pack of
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import pstats
 
 import torch
@@ -35,6 +37,7 @@ def main():
     ap.add_argument("--shape", default=None,
                     help="a shape of _common.SHAPES (default chroma512; tiny on the CPU)")
     ap.add_argument("--backend", default=None, help="varlen_attn backend (default: the one auto picks)")
+    ap.add_argument("--also", default="", help="comma-separated backends whose eager path is timed too, interleaved")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--cprofile", action="store_true", help="also profile the full path's Python (cProfile)")
@@ -67,6 +70,10 @@ def main():
     paths["stock masked SDPA"] = lambda: F.scaled_dot_product_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask).transpose(1, 2)
     paths["varlen_attn.attention, eager"] = full
+    for other in filter(None, args.also.split(",")):
+        paths[f"eager, backend {other}"] = functools.partial(va.attention, q, k, v, plan=plan, backend=other)
+    if backend == "torch" and device.type == "cuda":
+        paths.update(aten_paths(q, k, v, qp, kp, vp, plan, q.shape[-1] ** -0.5))
     paths["varlen_attn.attention, torch.compile'd caller"] = lambda: compiled(q, k, v, plan)
 
     print(f"{inp.describe()}; backend {backend}, total_q {plan.total_q}, total_k {plan.total_k}")
@@ -77,7 +84,10 @@ def main():
     # Where a path is host-bound, what the host issues counts: aten ops per forward + backward
     # (views included: each is a dispatcher call), and those that write memory (a kernel each).
     print(f"{'path':<48}{'aten ops fwd / bwd':>20}{'writing fwd / bwd':>19}")
-    for label in ("stock masked SDPA", "varlen_attn.attention, eager"):
+    for label in ("stock masked SDPA", "varlen_attn.attention, eager",
+                  "pack + aten kernel + unpack, C++ autograd only"):
+        if label not in paths:
+            continue
         (fwd, fwd_w), (bwd, bwd_w) = count_ops(paths[label])
         print(f"{label:<48}{f'{fwd} / {bwd}':>20}{f'{fwd_w} / {bwd_w}':>19}")
 
@@ -103,6 +113,30 @@ def main():
         C.sync(device)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def aten_paths(q, k, v, qp, kp, vp, plan: va.VarlenPlan, scale: float) -> dict:
+    """The `torch` backend's kernel as aten's ``_flash_attention_forward`` (whose backward is a
+    C++ autograd node): alone on pre-packed tokens, and between packs and an unpack made of
+    plain aten ops (``index_select``, ``index_fill``: C++ autograd nodes too), so that a forward
+    + backward runs no Python autograd node and no Python custom op."""
+    fwd = torch.ops.aten._flash_attention_forward.default
+
+    def kernel(a, b, c):
+        return fwd(a, b, c, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, 0.0,
+                   False, False, scale=scale)[0]
+
+    def composed():
+        bq, sq = q.shape[:2]
+        packed_qkv = [x.flatten(0, 1).index_select(0, i)
+                      for x, i in ((q, plan.indices_q), (k, plan.indices_k), (v, plan.indices_k))]
+        y = kernel(*packed_qkv).index_select(0, plan.inverse_q)
+        if plan.padding_q.numel():
+            y = y.index_fill(0, plan.padding_q, 0)
+        return y.view(bq, sq, *y.shape[1:])
+
+    return {"kernel alone, aten op (C++ autograd)": lambda: kernel(qp, kp, vp),
+            "pack + aten kernel + unpack, C++ autograd only": composed}
 
 
 class _OpCounter(TorchDispatchMode):

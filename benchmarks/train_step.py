@@ -34,7 +34,8 @@ synchronised step; wall time on the CPU), stock / variant of those medians and, 
 or more, stock / variant within each round (its median and range), the median CPU time of the
 main thread per step (``time.thread_time`` before the final sync: the forward, the loss and the
 optimizer step; CUDA backward, checkpoint recomputation included, runs on autograd's device
-thread and is not in it), peak memory (reset per variant turn), varlen_attn's plan builds and host
+thread and is not in it), the CPU time of every other thread over the step (the process's
+minus the main thread's: autograd's device thread above all), peak memory (reset per variant turn), varlen_attn's plan builds and host
 syncs per timed step, the backends that ran and any fallback, and the first step's output
 against stock's (same weights, same batch).
 
@@ -239,6 +240,7 @@ class Variant:
         self.opt = torch.optim.AdamW(self.lora, lr=lr)
         self.rounds: list[list[float]] = []  # ms per timed step, one list per round's turn
         self.cpu_ms: list[float] = []  # CPU time of the main thread per step (not the backward's thread)
+        self.other_cpu_ms: list[float] = []  # CPU time of the other threads per step (the backward's)
         self.peak_bytes = 0
         self.stats = {"backends": {}, "fallbacks": {}, "plan_builds": 0, "host_syncs": 0}
         self.timed_steps = 0
@@ -304,10 +306,13 @@ def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: b
         # timed step, so that no variant's median depends on where one lands.
         gc.collect()
         C.sync(dev)
+        p0, c0 = time.process_time(), time.thread_time()
         with C.Stopwatch(dev) as sw:
-            c0 = time.thread_time()
             v.step(batch)
             v.cpu_ms.append((time.thread_time() - c0) * 1e3)  # before the stopwatch's final sync
+        # Every other thread's CPU time over the step, the sync's included on neither side:
+        # autograd's device thread (the CUDA backward and checkpoint recomputation) above all.
+        v.other_cpu_ms.append(((time.process_time() - p0) - (time.thread_time() - c0)) * 1e3)
         v.rounds[-1].append(sw.ms)
     v.timed_steps += reps
     if compiled:
@@ -339,6 +344,7 @@ def summary(v: Variant, stock: Variant) -> dict:
         "stock_over_variant": (stock_ms / ms) if stock_ms and v.times else None,
         "paired_ratios": paired, "paired_ratio_median": statistics.median(paired) if paired else None,
         "main_thread_cpu_ms": statistics.median(v.cpu_ms) if v.cpu_ms else None, "main_thread_cpu_times_ms": v.cpu_ms,
+        "other_threads_cpu_ms": statistics.median(v.other_cpu_ms) if v.other_cpu_ms else None,
         "peak_mib": v.peak_bytes / 2**20 if v.peak_bytes else None,
         "timed_steps": v.timed_steps, "times_ms": v.times,
         "plan_builds_per_step": v.stats["plan_builds"] / steps, "host_syncs_per_step": v.stats["host_syncs"] / steps,
@@ -365,6 +371,8 @@ def line(name: str, r: dict, varlen: bool) -> str:
     if "max_abs_diff_vs_stock" in r:
         extra += f"  step-0 max|diff| vs stock {r['max_abs_diff_vs_stock']:.2e}"
     cpu = f"  main-thread CPU {r['main_thread_cpu_ms']:7.1f} ms" if r["main_thread_cpu_ms"] is not None else ""
+    if r.get("other_threads_cpu_ms") is not None:
+        cpu += f", other threads {r['other_threads_cpu_ms']:7.1f} ms"
     return f"  {name:<22} {r['median_ms']:9.1f} ms/step  {ratio}{cpu}  peak {peak}{extra}"
 
 

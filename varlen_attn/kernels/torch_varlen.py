@@ -2,8 +2,10 @@
 
 No install. Its signature changed: torch 2.10/2.11 take ``is_causal=``; 2.13 takes
 ``window_size=(-1, 0)`` for causal and ``enable_gqa=``. Both are read from the signature.
-Where the ops behind it take a ``scale`` (torch >= 2.11), the backend calls their forward and
-backward directly (``NATIVE_BACKWARD``, as FA4): pack, kernel and unpack in one autograd node.
+The backend calls the aten kernels behind it (``_flash_attention_forward`` and ``_backward``,
+which take a ``scale``) directly (``NATIVE_BACKWARD``, as FA4): pack, kernel and unpack in one
+autograd node, and no Python custom op in between. The public function is the fallback where
+those ops are missing; GPU runs: torch 2.11.
 """
 
 from __future__ import annotations
@@ -25,20 +27,34 @@ def _api():
 
 @lru_cache(maxsize=1)
 def _entry_points():
-    """The forward and backward ops behind ``varlen_attn`` (``torch_attn::_varlen_attn`` and
-    ``_varlen_attn_backward``) with their argument names, or None where this torch lacks them or
-    they take no ``scale`` (torch 2.10's). Their later arguments changed between releases, so
-    they are passed by name, from the schema."""
+    """The aten ops behind ``varlen_attn`` (``_flash_attention_forward`` and ``_backward``, the
+    kernels its ``torch_attn::_varlen_attn`` custom ops call), or None where this torch lacks the
+    public API or the ops take no ``scale``. Called directly, not through those Python custom
+    ops: a Python custom op costs tens of microseconds of host time per call in eager mode, which
+    a host-bound step pays in every layer (benchmarks/NOTES.md, entry 19)."""
     try:
         importlib.import_module("torch.nn.attention.varlen")
-        fwd = torch.ops.torch_attn._varlen_attn.default
-        bwd = torch.ops.torch_attn._varlen_attn_backward.default
+        fwd = torch.ops.aten._flash_attention_forward.default
+        bwd = torch.ops.aten._flash_attention_backward.default
     except (ImportError, AttributeError, RuntimeError):
         return None
     names = [frozenset(a.name for a in op._schema.arguments) for op in (fwd, bwd)]
-    if not all("scale" in n and "is_causal" in n for n in names):
+    if not all("scale" in n for n in names):
         return None
-    return fwd, bwd, names[0]
+    return fwd, bwd
+
+
+# device -> (rng_state, unused): the backward's dropout arguments, read only with dropout (which
+# this backend does not run); one pair per device instead of two allocations per call.
+_no_dropout: dict = {}
+
+
+def _dropout_args(device: torch.device):
+    args = _no_dropout.get(device)
+    if args is None:
+        args = _no_dropout[device] = (torch.zeros(2, dtype=torch.uint64, device=device),
+                                      torch.empty(0, device=device))
+    return args
 
 
 class TorchVarlenBackend(Backend):
@@ -73,25 +89,24 @@ class TorchVarlenBackend(Backend):
 
     @property
     def NATIVE_BACKWARD(self) -> bool:  # noqa: N802 - the capability's name in every backend
-        """The kernel's own forward and backward are reachable (torch >= 2.11): one autograd
-        node per layer, and no recomputed forward in the compiled backward."""
+        """The kernel's own forward and backward are reachable: one autograd node per layer,
+        and no recomputed forward in the compiled backward."""
         return _entry_points() is not None
 
     def forward_lse(self, inp: VarlenInputs):
-        fwd, _, names = _entry_points()
+        fwd, _ = _entry_points()
         p = inp.plan
-        kw = {"enable_gqa": True} if inp.q.shape[1] != inp.k.shape[1] and "enable_gqa" in names else {}
-        out, lse, _ = fwd(*_contiguous(inp.q, inp.k, inp.v), p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q,
-                          p.max_seqlen_k, is_causal=inp.causal, scale=inp.scale, **kw)
+        # Grouped-query attention needs no flag: the kernel takes fewer key heads as they are.
+        out, lse = fwd(*_contiguous(inp.q, inp.k, inp.v), p.cu_seqlens_q, p.cu_seqlens_k, p.max_seqlen_q,
+                       p.max_seqlen_k, 0.0, inp.causal, False, scale=inp.scale)[:2]
         return out, lse
 
     def backward(self, inp: VarlenInputs, out, lse, dout):
-        _, bwd, _ = _entry_points()
+        _, bwd = _entry_points()
         p = inp.plan
-        # The random-number state only matters with dropout, which this backend does not run.
-        rng = torch.empty((2,), dtype=torch.uint64, device=inp.q.device)
         return tuple(bwd(*_contiguous(dout, inp.q, inp.k, inp.v, out), lse, p.cu_seqlens_q, p.cu_seqlens_k,
-                         p.max_seqlen_q, p.max_seqlen_k, inp.causal, rng, scale=inp.scale))
+                         p.max_seqlen_q, p.max_seqlen_k, 0.0, inp.causal, *_dropout_args(inp.q.device),
+                         scale=inp.scale))
 
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
         fn, params = _api()
