@@ -115,19 +115,6 @@ def _side(plan: VarlenPlan, which: str):
     raise InputValueError(f"which must be 'q' (queries) or 'k' (keys and values), got {which!r}")
 
 
-def segment_ids(plan, which: str) -> torch.Tensor:
-    """``[B, S]`` int64: the plan's segment of each padded query (``"q"``) or key (``"k"``)
-    position, -1 where it is in none. Device ops only (static plans too: no host value read)."""
-    _, seqlen, _, inverse, padding = _side(plan, which)
-    cu = plan.cu_seqlens_q if which == "q" else plan.cu_seqlens_k
-    seg = torch.searchsorted(cu.to(torch.int64), inverse, right=True) - 1
-    if padding.dtype == torch.bool:
-        seg = seg.masked_fill(padding, -1)
-    elif padding.numel():
-        seg = seg.index_fill(0, padding, -1)
-    return seg.view(plan.batch_size, seqlen)
-
-
 def gather_packed(x: torch.Tensor, plan: VarlenPlan, which: str) -> torch.Tensor:
     """:func:`pack` without autograd or shape checks (for callers that own the backward)."""
     indices, _, identity, _, _ = _side(plan, which)

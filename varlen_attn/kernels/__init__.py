@@ -16,7 +16,6 @@ from .._errors import BackendUnavailableError, InputValueError
 from ._base import Backend, VarlenInputs
 from .flash import FlashAttn2Backend, FlashAttn3Backend, FlashAttn4Backend
 from .flex import FlexBackend
-from .padded_sdpa import PaddedSdpaBackend
 from .reference import ReferenceBackend
 from .split_sdpa import SplitSdpaBackend
 from .torch_varlen import TorchVarlenBackend
@@ -24,7 +23,7 @@ from .torch_varlen import TorchVarlenBackend
 BACKENDS: dict[str, Backend] = {
     b.NAME: b
     for b in (FlashAttn4Backend(), FlashAttn3Backend(), FlashAttn2Backend(), TorchVarlenBackend(),
-              FlexBackend(), PaddedSdpaBackend(), SplitSdpaBackend(), ReferenceBackend())
+              FlexBackend(), SplitSdpaBackend(), ReferenceBackend())
 }
 
 # Priority for backend="auto", per device class (measurements and sources: docs/versions.md,
@@ -42,10 +41,9 @@ BACKENDS: dict[str, Backend] = {
 # public reports listed in docs/versions.md); the built-in FA2 kernel needs no install.
 # CPU: one dense SDPA call per segment beats the reference kernel's explicit matmuls.
 PRIORITY: dict[str, tuple[str, ...]] = {
-    "cpu": ("split_sdpa", "padded_sdpa", "reference"),
-    "cuda_sm90": ("flash_attn_4", "flash_attn_3", "torch", "split_sdpa", "flash_attn", "flex", "padded_sdpa",
-                  "reference"),
-    "cuda": ("flash_attn", "torch", "split_sdpa", "flex", "padded_sdpa", "reference"),
+    "cpu": ("split_sdpa", "reference"),
+    "cuda_sm90": ("flash_attn_4", "flash_attn_3", "torch", "split_sdpa", "flash_attn", "flex", "reference"),
+    "cuda": ("flash_attn", "torch", "split_sdpa", "flex", "reference"),
 }
 
 

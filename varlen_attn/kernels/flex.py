@@ -22,10 +22,23 @@ import weakref
 
 import torch
 
-from ..pack import segment_ids
+from ..pack import _side
 from ._base import Backend, VarlenInputs, inside_compiled_graph
 
 BLOCK = 128  # FlexAttention's default sparse block size
+
+
+def segment_ids(plan, which: str) -> torch.Tensor:
+    """``[B, S]`` int64: the plan's segment of each padded query (``"q"``) or key (``"k"``)
+    position, -1 where it is in none. Device ops only (static plans too: no host value read)."""
+    _, seqlen, _, inverse, padding = _side(plan, which)
+    cu = plan.cu_seqlens_q if which == "q" else plan.cu_seqlens_k
+    seg = torch.searchsorted(cu.to(torch.int64), inverse, right=True) - 1
+    if padding.dtype == torch.bool:
+        seg = seg.masked_fill(padding, -1)
+    elif padding.numel():
+        seg = seg.index_fill(0, padding, -1)
+    return seg.view(plan.batch_size, seqlen)
 
 
 def _block_stats(seg: torch.Tensor):
