@@ -128,11 +128,14 @@ def aten_paths(q, k, v, qp, kp, vp, plan: va.VarlenPlan, scale: float) -> dict:
 
     def composed():
         bq, sq = q.shape[:2]
-        packed_qkv = [x.flatten(0, 1).index_select(0, i)
-                      for x, i in ((q, plan.indices_q), (k, plan.indices_k), (v, plan.indices_k))]
-        y = kernel(*packed_qkv).index_select(0, plan.inverse_q)
-        if plan.padding_q.numel():
-            y = y.index_fill(0, plan.padding_q, 0)
+        packed_qkv = [x.flatten(0, 1) if same else x.flatten(0, 1).index_select(0, i)
+                      for x, i, same in ((q, plan.indices_q, plan.q_identity), (k, plan.indices_k, plan.k_identity),
+                                         (v, plan.indices_k, plan.k_identity))]
+        y = kernel(*packed_qkv)
+        if not plan.q_identity:
+            y = y.index_select(0, plan.inverse_q)
+            if plan.padding_q.numel():
+                y = y.index_fill(0, plan.padding_q, 0)
         return y.view(bq, sq, *y.shape[1:])
 
     return {"kernel alone, aten op (C++ autograd)": lambda: kernel(qp, kp, vp),

@@ -52,8 +52,10 @@ _no_dropout: dict = {}
 def _dropout_args(device: torch.device):
     args = _no_dropout.get(device)
     if args is None:
-        args = _no_dropout[device] = (torch.zeros(2, dtype=torch.uint64, device=device),
-                                      torch.empty(0, device=device))
+        args = (torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device))
+        # Not kept when made during a CUDA graph capture: they would live in the graph's pool.
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _no_dropout[device] = args
     return args
 
 
