@@ -274,11 +274,10 @@ def kernel_alone(name: str, plan: va.VarlenPlan, scale: float):
             return out[0] if isinstance(out, tuple) else out  # FA3 betas and FA4 return (out, lse)
 
         return flash
-    if name == "torch":
-        from torch.nn.attention.varlen import varlen_attn
-
-        return lambda q, k, v: varlen_attn(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k,
-                                           plan.max_seqlen_q, plan.max_seqlen_k, scale=scale)
+    if name == "torch":  # the aten kernel under torch.nn.attention.varlen (what the backend calls)
+        fwd = torch.ops.aten._flash_attention_forward.default
+        return lambda q, k, v: fwd(q, k, v, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q,
+                                   plan.max_seqlen_k, 0.0, False, False, scale=scale)[0]
     if name == "split_sdpa":  # one dense SDPA call per segment, cut by torch.split
         lq, lk = list(plan.seqlens_q), list(plan.seqlens_k)
 

@@ -10,11 +10,12 @@ q, k, v alone, unpack alone, stock masked SDPA on the padded tensors, the full p
 kernel + unpack) eagerly, and the full path called from a torch.compile'd function (varlen_attn's
 custom op). Medians of 7 rounds of 30-iteration loops, the paths taken in turn each round. Host
 >= GPU time means the GPU waits on Python and launches. Then the aten ops per forward and per
-backward of stock and of the eager path, and the top ops of the full path by GPU and by CPU time (torch.profiler)
-and, with ``--cprofile``, its top Python functions by own time.
+backward of stock and of the eager path, the top ops of the full path by GPU and by CPU time
+(torch.profiler) and, with ``--cprofile``, its top Python functions by own time.
 
 The A/B comparisons of earlier versions (split_sdpa's cut, the scatter, one node for q, k, v,
-the fused node) and their numbers are in NOTES.md; the losing branches are gone from the code.
+the fused node, packs with C++ autograd only) and their numbers are in NOTES.md; the losing
+branches are gone from the code.
 """
 
 from __future__ import annotations
@@ -72,8 +73,6 @@ def main():
     paths["varlen_attn.attention, eager"] = full
     for other in filter(None, args.also.split(",")):
         paths[f"eager, backend {other}"] = functools.partial(va.attention, q, k, v, plan=plan, backend=other)
-    if backend == "torch" and device.type == "cuda":
-        paths.update(aten_paths(q, k, v, qp, kp, vp, plan, q.shape[-1] ** -0.5))
     paths["varlen_attn.attention, torch.compile'd caller"] = lambda: compiled(q, k, v, plan)
 
     print(f"{inp.describe()}; backend {backend}, total_q {plan.total_q}, total_k {plan.total_k}")
@@ -84,10 +83,7 @@ def main():
     # Where a path is host-bound, what the host issues counts: aten ops per forward + backward
     # (views included: each is a dispatcher call), and those that write memory (a kernel each).
     print(f"{'path':<48}{'aten ops fwd / bwd':>20}{'writing fwd / bwd':>19}")
-    for label in ("stock masked SDPA", "varlen_attn.attention, eager",
-                  "pack + aten kernel + unpack, C++ autograd only"):
-        if label not in paths:
-            continue
+    for label in ("stock masked SDPA", "varlen_attn.attention, eager"):
         (fwd, fwd_w), (bwd, bwd_w) = count_ops(paths[label])
         print(f"{label:<48}{f'{fwd} / {bwd}':>20}{f'{fwd_w} / {bwd_w}':>19}")
 
@@ -113,33 +109,6 @@ def main():
         C.sync(device)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
-
-
-def aten_paths(q, k, v, qp, kp, vp, plan: va.VarlenPlan, scale: float) -> dict:
-    """The `torch` backend's kernel as aten's ``_flash_attention_forward`` (whose backward is a
-    C++ autograd node): alone on pre-packed tokens, and between packs and an unpack made of
-    plain aten ops (``index_select``, ``index_fill``: C++ autograd nodes too), so that a forward
-    + backward runs no Python autograd node and no Python custom op."""
-    fwd = torch.ops.aten._flash_attention_forward.default
-
-    def kernel(a, b, c):
-        return fwd(a, b, c, plan.cu_seqlens_q, plan.cu_seqlens_k, plan.max_seqlen_q, plan.max_seqlen_k, 0.0,
-                   False, False, scale=scale)[0]
-
-    def composed():
-        bq, sq = q.shape[:2]
-        packed_qkv = [x.flatten(0, 1) if same else x.flatten(0, 1).index_select(0, i)
-                      for x, i, same in ((q, plan.indices_q, plan.q_identity), (k, plan.indices_k, plan.k_identity),
-                                         (v, plan.indices_k, plan.k_identity))]
-        y = kernel(*packed_qkv)
-        if not plan.q_identity:
-            y = y.index_select(0, plan.inverse_q)
-            if plan.padding_q.numel():
-                y = y.index_fill(0, plan.padding_q, 0)
-        return y.view(bq, sq, *y.shape[1:])
-
-    return {"kernel alone, aten op (C++ autograd)": lambda: kernel(qp, kp, vp),
-            "pack + aten kernel + unpack, C++ autograd only": composed}
 
 
 class _OpCounter(TorchDispatchMode):
