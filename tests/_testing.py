@@ -374,3 +374,18 @@ class CountSyncs(TorchDispatchMode):
         if name in self.SYNCING:
             self.ops.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+class CopySaved(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks that hand the backward a copy of every tensor autograd saves, as
+    offloading hooks do (``torch.autograd.graph.save_on_cpu(pin_memory=True)`` on a GPU): what the
+    forward saved is gone by the backward, and a copy is a plain tensor. ``copied`` counts them."""
+
+    def __init__(self):
+        self.copied = 0
+        super().__init__(self._pack, lambda t: t)
+
+    def _pack(self, t):
+        self.copied += 1
+        # A copy of its storage, so the copy keeps the strides compiled code asserts.
+        return t.new_empty(0).set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())

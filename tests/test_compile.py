@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import varlen_attn as va
-from _testing import assert_model_close
+from _testing import CopySaved, assert_model_close
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
@@ -434,6 +434,62 @@ def test_compiled_op_lse_does_not_hold_stale_memory(backend):
     q, k, v = _qkv(4, requires_grad=False)
     for _ in range(3):
         torch.full((H, B * S), float("nan"), dtype=torch.float32)  # made and freed right away
-        lse = torch.ops.varlen_attn.attention(q, k, v, keep, None, [], "", None, False, False, backend, False,
-                                              "model", "bool", False)[1]
+        lse = va.op.attention_op(q, k, v, keep, None, [], "", None, False, False, backend, False,
+                                 "model", "bool", False)[1]
         assert torch.equal(lse, torch.zeros_like(lse)), lse
+
+
+@pytest.mark.parametrize("given", ["mask", "plan"])
+def test_compiled_attention_under_hooks_that_copy_saved_tensors(given):
+    """The compiled op's backward finds its forward's plan and route through a handle it saves; under
+    hooks that copy what autograd saves it gets a copy, and still computes masked SDPA's gradients:
+    a prebuilt plan is found again by its token's value (no rebuild), a mask is planned again."""
+    cnt = dynamo_testing.CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(lambda q, k, v, keep, plan: va.attention(q, k, v, attn_mask=keep, plan=plan),
+                             fullgraph=True, backend=cnt)
+    for step in range(3):
+        keep = torch.arange(S)[None] < torch.tensor(_lengths(step))[:, None]
+        plan = va.build_plan(keep) if given == "plan" else None
+        q, k, v = _qkv(step)
+        va.reset_stats()
+        hooks = CopySaved()
+        with hooks:
+            got = _grads(lambda *t: compiled(*t, None if plan else keep, plan), q, k, v)
+        assert hooks.copied > 0
+        assert va.stats()["plan_builds"] == (0 if given == "plan" else 2), va.stats()
+        want = _grads(lambda q, k, v: F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            attn_mask=keep[:, None, None, :]).transpose(1, 2), q, k, v)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert cnt.frame_count == 1, "a new mask recompiled"
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_compiled_blocks_under_hooks_that_copy_saved_tensors_equal_stock(checkpointing):
+    """enable_varlen with every block compiled (inductor), under hooks that copy every saved tensor
+    (offloading): the step equals stock's under the same hooks."""
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+
+    # Stock without checkpointing: diffusers' checkpointed Chroma drops the mask in its single blocks.
+    stock, model = tiny_chroma(), va.enable_varlen(tiny_chroma())
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    for m in (stock, model):
+        for block in [*m.transformer_blocks, *m.single_transformer_blocks]:
+            block.compile(fullgraph=True, backend="inductor")
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+        inputs = chroma_inputs(lengths, seed=i)
+        va.reset_stats()
+        hooks = CopySaved()
+        with hooks:
+            got = step(model, inputs)
+        assert hooks.copied > 0
+        # With checkpointing the recomputation in backward saves its own handles (the checkpoint's
+        # hooks, not these, are innermost there). Without it each layer's backward gets a copy, and
+        # plans again from its mask: one host read per layer (docs/troubleshooting.md).
+        layers = 0 if checkpointing else CHROMA_ATTN_LAYERS
+        assert va.stats()["plan_builds"] == 1 + layers, va.stats()
+        with CopySaved():
+            want = step(stock, inputs)
+        assert_model_close(got, want, what=f"{lengths}")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import varlen_attn as va
 from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
-from _testing import CountSyncs, assert_model_close, assert_model_equal
+from _testing import CopySaved, CountSyncs, assert_model_close, assert_model_equal
 from varlen_attn.scope import Scope
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
@@ -101,6 +101,31 @@ def test_gradient_checkpointing_keeps_the_mask_and_the_plan(stock):
     # opt-out: stock behaviour
     assert_model_close(step(model, inputs), stock_ckpt, what="chroma/checkpointing, opt-out")
     va.disable_varlen(model)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_hooks_that_copy_saved_tensors_leave_steps_equal_to_stock(checkpointing):
+    """Under saved-tensor hooks that copy what autograd saves (offloading), a checkpointed block's
+    recomputation gets copies of its inputs, the masks among them plain and unkeyed: every step
+    (the first, which follows masks under the mode, and the later ones, which track them) still
+    routes every attention call, the recomputed ones too, and equals stock under the same hooks."""
+    # Stock without checkpointing: diffusers' checkpointed Chroma drops the mask in its single blocks.
+    stock, model = tiny_chroma(), va.enable_varlen(tiny_chroma())
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    calls = CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (0, 4, 7)]):
+        inputs = chroma_inputs(lengths, seed=i)
+        va.reset_stats()
+        hooks = CopySaved()
+        with hooks:
+            got = step(model, inputs)
+        st = va.stats()
+        assert hooks.copied > 0
+        assert st["plan_builds"] == 1 and sum(st["backends"].values()) == calls, (i, st)
+        with CopySaved():
+            want = step(stock, inputs)
+        assert_model_close(got, want, what=f"step {i} {lengths}")
 
 
 def test_float_mask_policy(chroma, stock, caplog):

@@ -223,6 +223,23 @@ def test_clear_plan_cache_and_build_without_cache():
     assert va.build_plan(keep) is not first and va.stats()["plan_builds"] == 3
 
 
+def test_a_copy_of_a_token_names_its_plan_while_the_plan_lives():
+    """Saved-tensor hooks may hand the compiled backward a copy of a plan's token: the copy names
+    the same plan (by value), each plan's token its own, and neither keeps the plan alive."""
+    import gc
+
+    from varlen_attn.plan import plan_of_token
+
+    keep = torch.tensor([[1, 1, 0, 1], [1, 0, 0, 0]], dtype=torch.bool)
+    plans = [va.build_plan(keep, cache=False), va.build_plan(~keep, cache=False)]
+    copies = [p.token.clone() for p in plans]
+    assert all(plan_of_token(c) is p for c, p in zip(copies, plans)) and plans[0] is not plans[1]
+    assert plan_of_token(torch.zeros(1, dtype=torch.int64)) is None  # no plan has that number
+    del plans
+    gc.collect()
+    assert all(plan_of_token(c) is None for c in copies)
+
+
 def test_plan_copies_and_pickles_are_plans_of_their_own():
     """A plan is plain data: copy, deepcopy and pickle give an equal plan, whose token names the
     copy (the custom op finds a plan through its token)."""

@@ -27,7 +27,7 @@ import torch
 
 from . import _stats
 from ._errors import InputTypeError, describe
-from .hook import VarlenHook, active, hidden, hidden_scope, hooked, plain, tracked
+from .hook import TrackedMask, VarlenHook, active, hidden, hidden_scope, hooked, plain, tracked
 from .op import refuse_unsupported_compile
 from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope
 
@@ -554,12 +554,29 @@ class _Checkpoint:
             return self.func(block, *args, **kwargs)
         if scope.checkpoint_mask is not None and isinstance(block, torch.nn.Module):
             args = _restore_mask(block, args, kwargs, scope.checkpoint_mask)
+        # The scope's masks reach the recomputation as they are, not through the checkpoint's saved
+        # inputs: saved-tensor hooks that copy what autograd saves (offloading, such as
+        # save_on_cpu) would hand it copies, which are neither tracked nor keyed.
+        masks = {i: a for i, a in enumerate(args) if _scope_mask(scope, a)}
+        masks.update({name: a for name, a in kwargs.items() if _scope_mask(scope, a)})
+        if masks:
+            args = tuple(None if i in masks else a for i, a in enumerate(args))
+            kwargs = {name: a for name, a in kwargs.items() if name not in masks}
 
         def run(*a, **kw):  # diffusers' helper calls ``module.__call__``: a function has one
+            if masks:
+                a = tuple(masks.get(i, x) for i, x in enumerate(a))
+                kw = {**kw, **{name: m for name, m in masks.items() if isinstance(name, str)}}
             with active(scope):
                 return block(*a, **kw)
 
         return self.func(run, *args, **kwargs)
+
+
+def _scope_mask(scope: Scope, value) -> bool:
+    """``value`` is a mask the scope follows (tracked or keyed) that needs no gradient."""
+    return (isinstance(value, torch.Tensor) and not value.requires_grad
+            and (type(value) is TrackedMask or scope.key_of(value) is not None))
 
 
 def _checkpointing_modules(model) -> list[torch.nn.Module]:

@@ -1,7 +1,7 @@
 """Attention under ``torch.compile``: custom ops, opaque to dynamo and inductor.
 
 Under compilation the functional entries (and through them ``enable_varlen``'s SDPA hook) call
-:func:`attention`, which calls ``torch.ops.varlen_attn.attention`` (under CUDA graphs another
+:func:`attention`, which calls ``torch.ops.varlen_attn.attention_v2`` (under CUDA graphs another
 path, below: "Under CUDA graphs"). Everything data-dependent happens inside that op, at run
 time, through the same code as the eager path: the plan
 (:func:`varlen_attn.scope.resolve_plan`, or a prebuilt plan named by its ``token``), the route
@@ -14,9 +14,10 @@ out, with fixed shapes, so:
   while tracing; the whole policy (:class:`~varlen_attn.scope.Policy`) travels as constant
   arguments.
 
-Autograd: ``varlen_attn::attention_backward``. The forward's plan and route are kept in this
+Autograd: ``varlen_attn::attention_backward_v2``. The forward's plan and route are kept in this
 module's registry under a handle the op returns (saved for backward), so the backward neither
-re-plans nor re-routes. A route with a native backward (FA4) runs it on re-gathered tensors (the
+re-plans nor re-routes; it also takes the forward's inputs, to resolve them again where
+saved-tensor hooks handed it a copy of the handle (whose original, and entry, are gone). A route with a native backward (FA4) runs it on re-gathered tensors (the
 log-sum-exp travels in a fixed-size ``[Hq, B*Sq]`` buffer: packed shapes are unknown at trace
 time); other routes recompute the forward under autograd inside the backward op (one extra
 forward). Dropout is refused under compilation (a recomputed forward would draw another mask).
@@ -95,10 +96,18 @@ def _release(ident: int) -> None:
         _calls.pop(ident, None)
 
 
-def _held(handle: Tensor) -> tuple:
+def _held(handle: Tensor) -> tuple | None:
+    """The entry under ``handle``, or None where the handle is a copy whose original (and entry)
+    is gone."""
     with _lock:
-        return _calls[int(handle.item())]
+        return _calls.get(int(handle.item()))
 
+
+# In the names of the two ops below. Inductor's on-disk cache keys a compiled graph by its forward
+# (the ops it calls and their arguments), not by the backward registered for an op: after a change
+# of what the backward op takes, a cached graph would call it the old way. So such a change also
+# changes this suffix, and with it the forward op's name and every cache key.
+_CONTRACT = "_v2"
 
 # Both ops read the plan on the host at run time (and may build it): a CUDA graph replaying them
 # would replay the last batch's plan. Tagged, inductor's CUDA graphs (mode="reduce-overhead")
@@ -106,7 +115,7 @@ def _held(handle: Tensor) -> tuple:
 _NOT_CAPTURABLE = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
 
 
-@torch.library.custom_op("varlen_attn::attention", mutates_args=(), tags=_NOT_CAPTURABLE)
+@torch.library.custom_op(f"varlen_attn::attention{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token: Optional[Tensor],
                  roots: list[Tensor], derivation: str, scale: Optional[float], causal: bool, gqa: bool,
                  backend: str, strict: bool, convention: str, float_mask: str,
@@ -115,20 +124,9 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
     handle)``; lse holds the kernel's values in its first ``total_q`` columns on fused routes and
     zeros elsewhere."""
     with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
-        b, sq, h, sk = q.shape[0], q.shape[1], q.shape[2], k.shape[1]
-        policy = Policy(backend, strict, float_mask, model)
-        opts = Options(scale, causal, 0.0, gqa)
-        plan = None
-        if token is not None:
-            plan = plan_of_token(token)
-            if plan is None:
-                raise InputValueError("the plan passed to attention was freed before the compiled call ran")
-        plan = resolve_plan(mask, batch=b, heads=h, seqlen_q=sq, seqlen_k=sk, device=q.device,
-                            convention=convention, policy=policy, plan=plan, scope=current_scope(),
-                            roots=roots, derivation=derivation)
-        mask4 = execution.mask4_of(mask, q, k, convention)
-        with compiled_graph():
-            r = execution.route(q, k, v, plan, mask4, opts, policy)
+        b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+        plan, r, mask4, opts = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend,
+                                              strict, convention, float_mask, model, current_scope())
         # The lse output is zero past the plan's rows and on routes that make none: an op's outputs
         # must not depend on what the allocator left (torch.library.opcheck compares them).
         if r.fused:
@@ -139,6 +137,25 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
             with torch.no_grad():
                 out = execution.run(q, k, v, plan, mask4, r, opts)
         return out.contiguous(), lse_buf, _hold((plan, r, mask4, opts))
+
+
+def _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention,
+                   float_mask, model, scope):
+    """``(plan, route, mask4, options)`` of a call of the op: what its backward needs."""
+    policy = Policy(backend, strict, float_mask, model)
+    opts = Options(scale, causal, 0.0, gqa)
+    plan = None
+    if token is not None:
+        plan = plan_of_token(token)
+        if plan is None:
+            raise InputValueError("the plan passed to attention was freed before the compiled call ran")
+    plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
+                        device=q.device, convention=convention, policy=policy, plan=plan, scope=scope,
+                        roots=roots, derivation=derivation)
+    mask4 = execution.mask4_of(mask, q, k, convention)
+    with compiled_graph():
+        r = execution.route(q, k, v, plan, mask4, opts, policy)
+    return plan, r, mask4, opts
 
 
 @attention_op.register_fake
@@ -163,11 +180,23 @@ def _cuda_graphs_requested() -> bool:
     return bool(config is not None and config.triton.cudagraphs)
 
 
-@torch.library.custom_op("varlen_attn::attention_backward", mutates_args=(), tags=_NOT_CAPTURABLE)
+@torch.library.custom_op(f"varlen_attn::attention_backward{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
 def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          handle: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+                          handle: Tensor, mask: Optional[Tensor], token: Optional[Tensor], roots: list[Tensor],
+                          derivation: str, scale: Optional[float], causal: bool, gqa: bool, backend: str,
+                          strict: bool, convention: str, float_mask: str, model: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward's gradients. Its plan and route come from the registry under ``handle``; where
+    the handle the backward got is a copy (saved-tensor hooks that copy what autograd saves, such
+    as ``save_on_cpu(pin_memory=True)``: the original died with the forward, and its entry with
+    it), they are resolved again from the forward's own inputs, which the rest of the arguments
+    are: the same plan (a prebuilt plan by its token's value, else built again from the mask:
+    one host read) and the same route."""
     with torch._C.DisableTorchFunction():
-        plan, r, mask4, opts = _held(handle)
+        entry = _held(handle)
+        if entry is None:
+            entry = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict,
+                                   convention, float_mask, model, None)
+        plan, r, mask4, opts = entry
         if r.fused:
             return _contiguous(execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
                                                          plan, r, opts))
@@ -195,7 +224,7 @@ def _contiguous_like(*tensors):
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, handle):
+def _(dout, q, k, v, out, lse, handle, *forward_inputs):
     return _contiguous_like(q, k, v)
 
 
@@ -213,16 +242,17 @@ def _autograd_dispatch():
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v = inputs[:3]
+    q, k, v, mask, token, roots, *constants = inputs
     out, lse, handle = output
-    ctx.save_for_backward(q, k, v, out, lse, handle)
-    ctx.roots = len(inputs[5])
+    ctx.save_for_backward(q, k, v, out, lse, handle, mask, token, *roots)
+    ctx.constants = constants  # derivation, scale, causal, gqa, backend, strict, convention, float_mask, model
 
 
 def _backward(ctx, dout, _dlse, _dhandle):
-    q, k, v, out, lse, handle = ctx.saved_tensors
-    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, handle)
-    return dq, dk, dv, None, None, [None] * ctx.roots, *(None,) * 9
+    q, k, v, out, lse, handle, mask, token, *roots = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, handle, mask, token, roots,
+                                       *ctx.constants)
+    return dq, dk, dv, None, None, [None] * len(roots), *(None,) * len(ctx.constants)
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)

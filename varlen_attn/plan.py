@@ -16,6 +16,7 @@ see :class:`_PlanCache`). :func:`clear_plan_cache` empties that cache;
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -90,9 +91,9 @@ class VarlenPlan:
             bounds ``Sq``/``Sk``, ``total_q/k`` are ``B*Sq``/``B*Sk``, and no segment length is on
             the host (``seqlens_q/k`` are empty). What CUDA graphs can capture.
         token: a one-element CPU tensor that stands for this plan where only tensors can go
-            (a ``torch.compile`` graph passes it to the custom op in :mod:`varlen_attn.op`); it
-            holds no number anyone reads and refers back to the plan weakly, so it is not a
-            registry and keeps nothing alive.
+            (a ``torch.compile`` graph passes it to the custom op in :mod:`varlen_attn.op`). It
+            holds a number unique to the plan, by which a copy of it still names the plan, and
+            refers to the plan weakly: it keeps nothing alive.
     """
 
     batch_size: int
@@ -124,9 +125,11 @@ class VarlenPlan:
     token: torch.Tensor = dataclasses.field(init=False, repr=False)
 
     def __post_init__(self):
-        token = torch.zeros(1, dtype=torch.int64)
+        ident = next(_token_ids)
+        token = torch.tensor([ident], dtype=torch.int64)
         token._varlen_plan = weakref.ref(self)
         object.__setattr__(self, "token", token)
+        _plans_by_token[ident] = self
 
     def __reduce__(self):
         # Copies and pickles are rebuilt through the constructor, so each gets its own token.
@@ -152,10 +155,22 @@ def _rebuild(cls, fields: dict) -> VarlenPlan:
     return cls(**fields)
 
 
+# token value -> plan, while the plan lives: a copy of a token still names its plan (saved-tensor
+# hooks that offload or copy what autograd saves, such as save_on_cpu(pin_memory=True), hand the
+# backward a copy, not the token itself).
+_token_ids = itertools.count(1)
+_plans_by_token: "weakref.WeakValueDictionary[int, VarlenPlan]" = weakref.WeakValueDictionary()
+
+
 def plan_of_token(token: torch.Tensor) -> VarlenPlan | None:
-    """The plan whose :attr:`VarlenPlan.token` is ``token`` (the same tensor object), or None."""
+    """The plan whose :attr:`VarlenPlan.token` is ``token`` or a copy of it, or None once that
+    plan is freed."""
     ref = getattr(token, "_varlen_plan", None)
-    return None if ref is None else ref()
+    if ref is not None:
+        return ref()
+    if token.device.type != "cpu" or token.numel() != 1 or token.dtype != torch.int64:
+        return None
+    return _plans_by_token.get(int(token.item()))
 
 
 def _host(t: torch.Tensor) -> list[int]:
