@@ -465,6 +465,32 @@ def test_compiled_attention_under_hooks_that_copy_saved_tensors(given):
     assert cnt.frame_count == 1, "a new mask recompiled"
 
 
+def test_plan_freed_before_backward_under_hooks_that_copy():
+    """Under copying hooks the backward finds a prebuilt plan by its token's value, so only while
+    it lives: freed before backward, it is planned again from attn_mask where one was passed, and
+    without one the error says what to do."""
+    import gc
+
+    compiled = torch.compile(lambda q, k, v, keep, plan: va.attention(q, k, v, attn_mask=keep, plan=plan),
+                             fullgraph=True, backend="aot_eager")
+    keep = torch.arange(S)[None] < torch.tensor(_lengths(0))[:, None]
+    want = _grads(lambda q, k, v: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None, :]).transpose(1, 2),
+        *_qkv(0))
+    for with_mask in (True, False):
+        q, k, v = _qkv(0)
+        with CopySaved():
+            out = compiled(q, k, v, keep if with_mask else None, va.build_plan(keep, cache=False))
+        gc.collect()
+        if with_mask:
+            out.backward(torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out))
+            for a, b in zip([q.grad, k.grad, v.grad], want[1:]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        else:
+            with pytest.raises(va.InputValueError, match="freed before its backward ran.*keep a reference"):
+                out.sum().backward()
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_compiled_blocks_under_hooks_that_copy_saved_tensors_equal_stock(checkpointing):
     """enable_varlen with every block compiled (inductor), under hooks that copy every saved tensor

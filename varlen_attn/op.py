@@ -140,15 +140,22 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
 
 
 def _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention,
-                   float_mask, model, scope):
-    """``(plan, route, mask4, options)`` of a call of the op: what its backward needs."""
+                   float_mask, model, scope, backward: bool = False):
+    """``(plan, route, mask4, options)`` of a call of the op: what its backward needs. ``backward``:
+    resolved again in the backward (handed copies by saved-tensor hooks), where a prebuilt plan
+    freed since the forward is planned again from the mask."""
     policy = Policy(backend, strict, float_mask, model)
     opts = Options(scale, causal, 0.0, gqa)
     plan = None
     if token is not None:
         plan = plan_of_token(token)
-        if plan is None:
+        if plan is None and not backward:
             raise InputValueError("the plan passed to attention was freed before the compiled call ran")
+        if plan is None and mask is None:
+            raise InputValueError(
+                "the plan passed to attention was freed before its backward ran, and the backward, handed "
+                "copies by saved-tensor hooks (offloading), cannot find it again: keep a reference to the "
+                "plan until backward, or pass attn_mask too")
     plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                         device=q.device, convention=convention, policy=policy, plan=plan, scope=scope,
                         roots=roots, derivation=derivation)
@@ -195,7 +202,7 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         entry = _held(handle)
         if entry is None:
             entry = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict,
-                                   convention, float_mask, model, None)
+                                   convention, float_mask, model, None, backward=True)
         plan, r, mask4, opts = entry
         if r.fused:
             return _contiguous(execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
