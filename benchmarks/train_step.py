@@ -35,8 +35,8 @@ or more, stock / variant within each round (its median and range), the median CP
 main thread per step (``time.thread_time`` before the final sync: the forward, the loss and the
 optimizer step; CUDA backward, checkpoint recomputation included, runs on autograd's device
 thread and is not in it), the CPU time of every other thread over the step (the process's
-minus the main thread's: autograd's device thread above all), peak memory (reset per variant turn), varlen_attn's plan builds and host
-syncs per timed step, the backends that ran and any fallback, and the first step's output
+minus the main thread's: autograd's device thread above all), peak memory (reset per variant
+turn), varlen_attn's plan builds and host syncs per timed step, the backends that ran and any fallback, and the first step's output
 against stock's (same weights, same batch).
 
 cuDNN SDPA is disabled on CUDA for every variant: with torch 2.11 it failed inside these models

@@ -557,18 +557,15 @@ class _Checkpoint:
         # The scope's masks reach the recomputation as they are, not through the checkpoint's saved
         # inputs: saved-tensor hooks that copy what autograd saves (offloading, such as
         # save_on_cpu) would hand it copies, which are neither tracked nor keyed.
-        masks = {i: a for i, a in enumerate(args) if _scope_mask(scope, a)}
-        masks.update({name: a for name, a in kwargs.items() if _scope_mask(scope, a)})
-        if masks:
-            args = tuple(None if i in masks else a for i, a in enumerate(args))
-            kwargs = {name: a for name, a in kwargs.items() if name not in masks}
+        held = {i: a for i, a in enumerate(args) if _scope_mask(scope, a)}
+        held_kw = {name: a for name, a in kwargs.items() if _scope_mask(scope, a)}
+        args = tuple(None if i in held else a for i, a in enumerate(args))
+        kwargs = {name: a for name, a in kwargs.items() if name not in held_kw}
 
         def run(*a, **kw):  # diffusers' helper calls ``module.__call__``: a function has one
-            if masks:
-                a = tuple(masks.get(i, x) for i, x in enumerate(a))
-                kw = {**kw, **{name: m for name, m in masks.items() if isinstance(name, str)}}
+            a = tuple(held.get(i, x) for i, x in enumerate(a))
             with active(scope):
-                return block(*a, **kw)
+                return block(*a, **kw, **held_kw)
 
         return self.func(run, *args, **kwargs)
 

@@ -17,10 +17,10 @@ out, with fixed shapes, so:
 Autograd: ``varlen_attn::attention_backward_v2``. The forward's plan and route are kept in this
 module's registry under a handle the op returns (saved for backward), so the backward neither
 re-plans nor re-routes; it also takes the forward's inputs, to resolve them again where
-saved-tensor hooks handed it a copy of the handle (whose original, and entry, are gone). A route with a native backward (FA4) runs it on re-gathered tensors (the
-log-sum-exp travels in a fixed-size ``[Hq, B*Sq]`` buffer: packed shapes are unknown at trace
-time); other routes recompute the forward under autograd inside the backward op (one extra
-forward). Dropout is refused under compilation (a recomputed forward would draw another mask).
+saved-tensor hooks handed it a copy of the handle (whose original, and entry, are gone). A route
+with a native backward (FA4) runs it on re-gathered tensors (the log-sum-exp travels in a
+fixed-size ``[Hq, B*Sq]`` buffer: packed shapes are unknown at trace time); other routes
+recompute the forward under autograd inside the backward op (one extra forward). Dropout is refused under compilation (a recomputed forward would draw another mask).
 """
 
 from __future__ import annotations
@@ -146,16 +146,13 @@ def _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, 
     freed since the forward is planned again from the mask."""
     policy = Policy(backend, strict, float_mask, model)
     opts = Options(scale, causal, 0.0, gqa)
-    plan = None
-    if token is not None:
-        plan = plan_of_token(token)
-        if plan is None and not backward:
-            raise InputValueError("the plan passed to attention was freed before the compiled call ran")
-        if plan is None and mask is None:
-            raise InputValueError(
-                "the plan passed to attention was freed before its backward ran, and the backward, handed "
-                "copies by saved-tensor hooks (offloading), cannot find it again: keep a reference to the "
-                "plan until backward, or pass attn_mask too")
+    plan = None if token is None else plan_of_token(token)
+    if token is not None and plan is None and (not backward or mask is None):
+        raise InputValueError(
+            "the plan passed to attention was freed before its backward ran, and the backward, handed "
+            "copies by saved-tensor hooks (offloading), cannot find it again: keep a reference to the "
+            "plan until backward, or pass attn_mask too" if backward else
+            "the plan passed to attention was freed before the compiled call ran")
     plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                         device=q.device, convention=convention, policy=policy, plan=plan, scope=scope,
                         roots=roots, derivation=derivation)

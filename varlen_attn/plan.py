@@ -91,9 +91,9 @@ class VarlenPlan:
             bounds ``Sq``/``Sk``, ``total_q/k`` are ``B*Sq``/``B*Sk``, and no segment length is on
             the host (``seqlens_q/k`` are empty). What CUDA graphs can capture.
         token: a one-element CPU tensor that stands for this plan where only tensors can go
-            (a ``torch.compile`` graph passes it to the custom op in :mod:`varlen_attn.op`). It
-            holds a number unique to the plan, by which a copy of it still names the plan, and
-            refers to the plan weakly: it keeps nothing alive.
+            (a ``torch.compile`` graph passes it to the custom op in :mod:`varlen_attn.op`): it
+            holds a number unique to the plan, which names the plan (also in a copy of the
+            token) while the plan lives, and keeps nothing alive.
     """
 
     batch_size: int
@@ -126,9 +126,7 @@ class VarlenPlan:
 
     def __post_init__(self):
         ident = next(_token_ids)
-        token = torch.tensor([ident], dtype=torch.int64)
-        token._varlen_plan = weakref.ref(self)
-        object.__setattr__(self, "token", token)
+        object.__setattr__(self, "token", torch.tensor([ident], dtype=torch.int64))
         _plans_by_token[ident] = self
 
     def __reduce__(self):
@@ -164,11 +162,8 @@ _plans_by_token: "weakref.WeakValueDictionary[int, VarlenPlan]" = weakref.WeakVa
 
 def plan_of_token(token: torch.Tensor) -> VarlenPlan | None:
     """The plan whose :attr:`VarlenPlan.token` is ``token`` or a copy of it, or None once that
-    plan is freed."""
-    ref = getattr(token, "_varlen_plan", None)
-    if ref is not None:
-        return ref()
-    if token.device.type != "cpu" or token.numel() != 1 or token.dtype != torch.int64:
+    plan is freed. Read on the host only: a token moved to a device names no plan."""
+    if token.device.type != "cpu":
         return None
     return _plans_by_token.get(int(token.item()))
 
