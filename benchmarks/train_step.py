@@ -24,7 +24,8 @@ compilation, as OneTrainer does; ``--compile-backend``, default inductor, aot_ea
 
 Variants: ``stock`` (diffusers' masked SDPA), ``nomask`` (the same model called with no mask: the
 speed target) and ``varlen:<backend>`` for each of ``--backends`` (default: auto and every
-installed varlen_attn backend but the reference). Each variant is its own copy of the model
+installed varlen_attn backend but the reference; ``<backend>@general`` keeps attention of
+compiled blocks in varlen_attn's custom op, ``enable_varlen(..., in_graph=False)``). Each variant is its own copy of the model
 module tree sharing the frozen base weights (no extra weight memory), with its own LoRA adapter
 (all from the same init), its own optimizer and, with ``--compile blocks``, its own compiled
 blocks. Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
@@ -450,7 +451,9 @@ def main():
     for name in ["stock", "nomask", *(f"varlen:{b}" for b in backends)]:
         model = sharing_copy(base)
         if name.startswith("varlen:"):
-            va.enable_varlen(model, backend=name.split(":", 1)[1])
+            # "<backend>@general": compiled blocks keep attention in the custom op (in_graph=False)
+            backend, _, route = name.split(":", 1)[1].partition("@")
+            va.enable_varlen(model, backend=backend, in_graph=route != "general")
         if compiled:
             for block in blocks_of(model):
                 block.compile(fullgraph=True, backend=compile_backend, mode=args.compile_mode)

@@ -483,3 +483,25 @@ def attention_ref(
     scores = scores.masked_fill(empty_row, 0.0)
     probs = torch.softmax(scores, dim=-1).masked_fill(~allowed, 0.0)
     return torch.matmul(probs, vc).to(q.dtype)
+
+
+def varlen_attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
+    """The same attention (no causal, window, softcap or ALiBi) as one dense computation over
+    every packed row, for code that must be traced (``torch.compile``) rather than loop on the
+    host: row ``i`` of q sees row ``j`` of k exactly when both lie in the same sequence. Rows past
+    ``cu_seqlens_q[-1]`` / ``cu_seqlens_k[-1]`` belong to no sequence (they may hold anything):
+    their output is zeros and they are never read as keys. Quadratic in the rows: a test oracle."""
+    seg_q = torch.bucketize(torch.arange(q.shape[0], device=q.device), cu_seqlens_q[1:].long(), right=True)
+    seg_k = torch.bucketize(torch.arange(k.shape[0], device=k.device), cu_seqlens_k[1:].long(), right=True)
+    seg_q = torch.where(torch.arange(q.shape[0], device=q.device) < cu_seqlens_q[-1], seg_q, -1)
+    seg_k = torch.where(torch.arange(k.shape[0], device=k.device) < cu_seqlens_k[-1], seg_k, -2)
+    see = seg_q[:, None] == seg_k[None, :]
+    work = torch.promote_types(q.dtype, torch.float32)
+    qt, kt, vt = (t.to(work).transpose(0, 1) for t in (q, k, v))
+    kt = kt.repeat_interleave(q.shape[1] // k.shape[1], dim=0)
+    vt = vt.repeat_interleave(q.shape[1] // v.shape[1], dim=0)
+    scores = (qt @ kt.transpose(1, 2)) * softmax_scale
+    sees = see.any(dim=1)[:, None]  # rows that see some key; the others output zeros, with no NaN
+    scores = torch.where(sees, scores.masked_fill(~see, float("-inf")), 0.0)
+    probs = torch.where(sees, torch.softmax(scores, dim=-1), 0.0)
+    return (probs @ vt).transpose(0, 1).to(q.dtype)

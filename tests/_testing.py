@@ -389,3 +389,47 @@ class CopySaved(torch.autograd.graph.saved_tensors_hooks):
         self.copied += 1
         # A copy of its storage, so the copy keeps the strides compiled code asserts.
         return t.new_empty(0).set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+
+
+class HostReads:
+    """Counts the calls that read tensor values on the host (``tolist``, ``item``,
+    ``torch.equal``), wherever they come from, except the custom op's reads of its own handles
+    (one-element int64 tensors made on the CPU, never on a device: no sync there). A dispatch
+    mode cannot count them here: dynamo refuses to run compiled code under one."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        self.on = False
+        for owner, name in ((torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch, "equal")):
+            monkeypatch.setattr(owner, name, self._counted(getattr(owner, name), name))
+
+    def _counted(self, fn, name):
+        def counted(*args, **kwargs):
+            handle = name == "item" and args[0].dtype == torch.int64 and args[0].shape == (1,)
+            if self.on and not handle:
+                self.calls.append(name)
+            return fn(*args, **kwargs)
+        return counted
+
+    def __enter__(self):
+        self.calls, self.on = [], True
+        return self
+
+    def __exit__(self, *exc):
+        self.on = False
+
+
+IN_GRAPH_OP = "varlen_attn.in_graph_plan.default"  # in a graph that runs attention in the graph
+
+
+class Recording:
+    """A torch.compile backend: inductor, recording the ops of every graph it compiles."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, gm, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
+        return compile_fx(gm, example_inputs)

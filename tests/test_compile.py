@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import varlen_attn as va
-from _testing import CopySaved, assert_model_close
+from _testing import CopySaved, HostReads, assert_model_close
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
@@ -147,34 +147,6 @@ def test_compile_below_the_supported_torch_refuses_clearly(mode, monkeypatch, fr
         run()
 
 
-class _HostReads:
-    """Counts the calls that read tensor values on the host (``tolist``, ``item``,
-    ``torch.equal``), wherever they come from, except the custom op's reads of its own handles
-    (one-element int64 tensors made on the CPU, never on a device: no sync there). A dispatch
-    mode cannot count them here: dynamo refuses to run compiled code under one."""
-
-    def __init__(self, monkeypatch):
-        self.calls = []
-        self.on = False
-        for owner, name in ((torch.Tensor, "tolist"), (torch.Tensor, "item"), (torch, "equal")):
-            monkeypatch.setattr(owner, name, self._counted(getattr(owner, name), name))
-
-    def _counted(self, fn, name):
-        def counted(*args, **kwargs):
-            handle = name == "item" and args[0].dtype == torch.int64 and args[0].shape == (1,)
-            if self.on and not handle:
-                self.calls.append(name)
-            return fn(*args, **kwargs)
-        return counted
-
-    def __enter__(self):
-        self.calls, self.on = [], True
-        return self
-
-    def __exit__(self, *exc):
-        self.on = False
-
-
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, monkeypatch):
     """Every block compiled with inductor (fullgraph), gradient checkpointing on or off, a new
@@ -190,7 +162,7 @@ def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, monk
     cnt = dynamo_testing.CompileCounterWithBackend("inductor")
     for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
         block.compile(fullgraph=True, backend=cnt)
-    reads = _HostReads(monkeypatch)
+    reads = HostReads(monkeypatch)
     for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2), (0, 0, 0)]):
         inputs = chroma_inputs(lengths, seed=i)
         va.reset_stats()

@@ -28,7 +28,7 @@ import torch
 from . import _stats
 from ._errors import InputTypeError, describe
 from .hook import TrackedMask, VarlenHook, active, hidden, hidden_scope, hooked, plain, tracked
-from .op import refuse_unsupported_compile
+from .op import InGraphDeclined, refuse_unsupported_compile
 from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
@@ -41,11 +41,12 @@ class _State:
     model's forward entry, no closure and no reference outside the model, so it deep-copies and
     pickles with the model."""
 
-    def __init__(self, backend, strict, float_mask, restore_checkpoint_mask):
+    def __init__(self, backend, strict, float_mask, restore_checkpoint_mask, in_graph=True):
         self.backend = backend
         self.strict = strict
         self.float_mask = float_mask
         self.restore_checkpoint_mask = restore_checkpoint_mask
+        self.in_graph = in_graph
         self.saved_backends: list[tuple[object, object]] = []
         self.entry: _Forward | None = None
         self.checkpointed: list[torch.nn.Module] = []
@@ -69,10 +70,10 @@ class _State:
         # learn again under the mode).
         state.pop("root_derived", None)
         self.__dict__.update({"tracking": {}, "attention": [], "compiled": [], "watching": False,
-                              "no_entry": set(), **state, "running": 0})
+                              "no_entry": set(), "in_graph": True, **state, "running": 0})
 
-    def policy(self) -> Policy:
-        return Policy.of(self.backend, self.strict, self.float_mask, model=True)
+    def policy(self, in_graph: bool = False) -> Policy:
+        return Policy.of(self.backend, self.strict, self.float_mask, model=True, in_graph=in_graph)
 
 
 class _InstanceForward:
@@ -252,6 +253,7 @@ def enable_varlen(
     strict: bool = False,
     float_mask: str = "bool",
     restore_checkpoint_mask: bool = True,
+    in_graph: bool = True,
 ):
     """Make every masked attention inside ``model`` run packed, with one plan per forward.
 
@@ -270,6 +272,12 @@ def enable_varlen(
             runs); ``"error"``: raise. Other additive masks keep SDPA's reading under every policy.
         restore_checkpoint_mask: pass the model's ``attention_mask`` to checkpointed blocks that
             diffusers calls without it (Chroma's single blocks).
+        in_graph: in submodules compiled on their own (``block.compile()``, regional
+            compilation), run attention inside the compiled graph where the backend's kernel
+            traces (the ``torch`` backend): no Python of varlen_attn runs then beyond one plan
+            lookup per call. A block whose mask that route cannot run (not a padding mask)
+            takes the general route, varlen_attn's custom op, by itself. False: the custom op
+            everywhere, as under a whole model compiled.
 
     Returns:
         ``model`` itself; :func:`varlen` is the context-manager form.
@@ -279,7 +287,9 @@ def enable_varlen(
     Policy.of(backend, strict, float_mask)  # validate now, not at the first forward
     if getattr(model, "_varlen_state", None) is not None:
         disable_varlen(model)
-    state = _State(backend, strict, float_mask, restore_checkpoint_mask)
+    if not isinstance(in_graph, bool):
+        raise InputTypeError(f"in_graph must be a bool, got {describe(in_graph)}")
+    state = _State(backend, strict, float_mask, restore_checkpoint_mask, in_graph)
     # diffusers routes attention to a non-native backend when one was set per processor; those
     # (e.g. flash_varlen) bypass SDPA and some are wrong for joint sequences. Use native while enabled.
     for module in model.modules():
@@ -430,10 +440,24 @@ class _Boundary:
     (:class:`_BlockForward`), so it runs with no Python of ours on its ops and is traced the
     same in every forward (dynamo guards on the mode stack), whichever way the forward tracks."""
 
-    def __init__(self, inner):
+    def __init__(self, inner, block: torch.nn.Module):
         self.inner = inner
+        self.block = block  # the module whose forward is the _BlockForward
 
     def __call__(self, *args, **kwargs):
+        try:
+            return self._call(*args, **kwargs)
+        except InGraphDeclined as declined:
+            # A mask the in-graph route cannot run (varlen_attn.op, "In the graph"): the block
+            # takes the general route from now on (dynamo guards on the flag: traced anew once).
+            forward = self.block.__dict__.get("forward")
+            if not isinstance(forward, _BlockForward) or not forward.in_graph:
+                raise
+            forward.in_graph = False
+            logger.info("varlen_attn: %s takes the general compiled route: %s", type(self.block).__name__, declined)
+            return self._call(*args, **kwargs)
+
+    def _call(self, *args, **kwargs):
         scope = None if torch.compiler.is_compiling() else current_scope()
         if scope is None:
             return self.inner(*args, **kwargs)
@@ -454,11 +478,12 @@ class _BlockForward(_InstanceForward):
     def __init__(self, module: torch.nn.Module, inner, state: _State):
         super().__init__(module, inner)
         self.state = state
+        self.in_graph = state.in_graph  # attention may run in the graph itself (see _Boundary)
 
     def __call__(self, *args, **kwargs):
         target = self._target()
         if torch.compiler.is_compiling():
-            with VarlenHook(Scope(self.state.policy())):
+            with VarlenHook(Scope(self.state.policy(in_graph=self.in_graph))):
                 return target(*args, **kwargs)
         scope = hidden_scope()
         if scope is None:
@@ -479,7 +504,7 @@ def _install_compiled(model: torch.nn.Module, state: _State) -> None:
         if isinstance(module, _OptimizedModule):
             call = module.__dict__.get("forward")
             if call is not None and not isinstance(call, _Boundary):
-                module.forward = _Boundary(call)
+                module.forward = _Boundary(call, module._orig_mod)
                 state.compiled.append(module)
             module = module._orig_mod
         else:
@@ -487,7 +512,7 @@ def _install_compiled(model: torch.nn.Module, state: _State) -> None:
             if call is None:
                 continue
             if not isinstance(call, _Boundary):
-                module._compiled_call_impl = _Boundary(call)
+                module._compiled_call_impl = _Boundary(call, module)
                 state.compiled.append(module)
         if not isinstance(module.__dict__.get("forward"), _BlockForward):
             # Compiled code routes its own attention, and dynamo guards on each instance's

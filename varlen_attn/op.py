@@ -37,9 +37,11 @@ from torch import Tensor
 from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError
 from .execution import Options
+from .kernels import BACKENDS, VarlenInputs, select
 from .kernels._base import compiled_graph
+from .pack import permute_rows
 from .plan import (REASONS, STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool,
-                   refuse_nan_inf, static_plan_of, static_plan_tensors_of)
+                   refuse_nan_inf, static_layout_of, static_plan_of, static_plan_tensors_of)
 from .scope import Policy, current_scope, float_mask_read_as_bool, mask_info, resolve_plan, traced_signature
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
@@ -272,6 +274,12 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
         )
     if q.device.type in CAPTURED_DEVICES and _cuda_graphs_traced():
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
+    if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
+        scale = q.shape[-1] ** -0.5 if opts.scale is None else float(opts.scale)
+        chosen = _traceable_backend(policy.backend, q.dtype, q.device.type, q.device.index, q.shape[2], k.shape[2],
+                                    q.shape[-1], v.shape[-1], scale)
+        if chosen:
+            return _in_graph_attention(q, k, v, mask, chosen, scale, convention=convention, opts=opts, policy=policy)
     roots, derivation = traced_signature(mask)
     out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token, roots, derivation,
                              None if opts.scale is None else float(opts.scale), bool(opts.causal),
@@ -465,3 +473,85 @@ def _static_backward(ctx, dout, _dlse):
 
 
 static_attention_op.register_autograd(_static_backward, setup_context=_static_setup_context)
+
+
+# --- In the graph -------------------------------------------------------------------------------
+# In the compiled blocks of an enabled model (``Policy.in_graph``), with a backend whose kernel
+# traces (``Backend.TRACEABLE``: ``torch``, whose aten forward autograd differentiates), attention
+# goes into the block's graph itself: one op reads the plan on the host (the forward's plan, as
+# the op above resolves it: one build and one host sync per step) and returns it in the static
+# layout (one segment per batch element, every row kept: varlen_attn.plan.static_layout_of);
+# then the graph permutes q, k and v into packed order, runs the kernel and permutes back, in
+# tensor ops inductor fuses. No Python of ours runs in the backward, nor in the forward beyond
+# the plan lookup. The static layout holds padding masks only; for any other mask, or a route
+# that is not that backend's (masked SDPA for a mask that cannot be packed, another backend),
+# the op raises InGraphDeclined, and the block's boundary (varlen_attn.model) turns the route
+# off for that block and calls it again: traced anew, it takes the op above.
+
+
+class InGraphDeclined(Exception):
+    """Raised at run time by the in-graph route's plan op where the call needs the general route
+    (the custom op above); caught by the compiled block's boundary, which calls it again without."""
+
+
+@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
+def _traceable_backend(backend: str, dtype, device_type: str, device_index, hq: int, hk: int, d: int, dv: int,
+                       scale: float) -> str:
+    """The backend ``backend`` selects for inputs of this kind when its kernel traces, else ""."""
+    device = torch.device(device_type, device_index)
+    q = torch.empty((1, hq, d), dtype=dtype, device=device)
+    k, v = q.new_empty((1, hk, d)), q.new_empty((1, hk, dv))
+    probe = VarlenPlan(batch_size=1, seqlen_q=1, seqlen_k=1, packable=True, device=device)
+    try:
+        impl = select(VarlenInputs(q, k, v, probe, scale), backend)
+    except BackendUnavailableError:
+        return ""  # the general route says why, where it matters
+    return impl.NAME if impl.TRACEABLE and impl.STATIC_PLANS else ""
+
+
+def _in_graph_attention(q, k, v, mask: Tensor, chosen: str, scale: float, *, convention: str, opts: Options,
+                        policy: Policy) -> Tensor:
+    """The in-graph route (see above): padded ``[B, S, H, D]`` in and out."""
+    roots, derivation = traced_signature(mask)
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    layout = in_graph_plan_op(q, k, v, mask, roots, derivation, None if opts.scale is None else float(opts.scale),
+                              bool(opts.gqa), chosen, policy.backend, policy.strict, convention, policy.float_mask,
+                              policy.model)
+    order_q, inverse_q, cu_q, order_k, inverse_k, cu_k = torch.split(layout, [b * sq, b * sq, b + 1, b * sk, b * sk, b + 1])
+    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
+    # Rows past the last segment are padding: zeros going in, so their gradients (which the kernel
+    # leaves unwritten) are zeros going back; zeros coming out, where SDPA gives zeros.
+    real_q = (torch.arange(b * sq, device=q.device) < cu_q[-1])[:, None, None]
+    real_k = (torch.arange(b * sk, device=k.device) < cu_k[-1])[:, None, None]
+    qp = torch.where(real_q, permute_rows(q.flatten(0, 1), order_q, inverse_q), 0)
+    kp = torch.where(real_k, permute_rows(k.flatten(0, 1), order_k, inverse_k), 0)
+    vp = torch.where(real_k, permute_rows(v.flatten(0, 1), order_k, inverse_k), 0)
+    out = BACKENDS[chosen].traced_forward(qp, kp, vp, cu_q, cu_k, sq, sk, scale)
+    out = torch.where((inverse_q >= cu_q[-1])[:, None, None], 0, permute_rows(out, inverse_q, order_q))
+    return out.view(b, sq, q.shape[2], v.shape[-1])
+
+
+@torch.library.custom_op("varlen_attn::in_graph_plan", mutates_args=(), tags=_NOT_CAPTURABLE)
+def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[Tensor], derivation: str,
+                     scale: Optional[float], gqa: bool, chosen: str, backend: str, strict: bool, convention: str,
+                     float_mask: str, model: bool) -> Tensor:
+    """The call's plan in the static layout, for the in-graph route running backend ``chosen``;
+    raises :class:`InGraphDeclined` where that route cannot run it (see above)."""
+    with torch._C.DisableTorchFunction():
+        plan, r, _, _ = _forward_state(q, k, v, mask, None, roots, derivation, scale, False, gqa, backend, strict,
+                                       convention, float_mask, model, current_scope())
+        if r.impl is None:
+            raise InGraphDeclined(f"masked SDPA runs this mask ({r.reason or 'asked for'})")
+        if r.impl.NAME != chosen:
+            raise InGraphDeclined(f"backend {r.impl.NAME!r} runs this call, not {chosen!r}")
+        layout = static_layout_of(plan)
+        if layout is None:
+            raise InGraphDeclined("the mask is not a padding mask (one segment per batch element)")
+        _stats.record_backend(chosen)
+        return layout.clone()
+
+
+@in_graph_plan_op.register_fake
+def _(q, k, v, mask, roots, derivation, scale, gqa, chosen, backend, strict, convention, float_mask, model):
+    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    return q.new_empty((2 * b * sq + 2 * b * sk + 2 * (b + 1),), dtype=torch.int64)

@@ -454,6 +454,31 @@ def _static_plan(batch, sq, sk, perm_q, inv_q, cu_q, perm_k, inv_k, cu_k) -> Var
     )
 
 
+# plan -> its static layout (static_layout_of), made once per plan: every layer of a forward asks.
+_LAYOUTS: "weakref.WeakKeyDictionary[VarlenPlan, torch.Tensor]" = weakref.WeakKeyDictionary()
+
+
+def static_layout_of(plan: VarlenPlan) -> torch.Tensor | None:
+    """A plan built on the host as the one int64 vector :func:`static_plan_tensors_of` makes
+    (order, inverse, cu_seqlens of queries, then of keys; :func:`static_plan_of` reads it), or
+    None where that layout cannot hold it: it holds one segment per batch element, in batch
+    order (padding masks). Valid rows keep the plan's packed order, the padding rows follow.
+    Device work on the plan's tensors, no host read; made once per plan."""
+    layout = _LAYOUTS.get(plan)
+    if layout is not None or not plan.packable or plan.static:
+        return layout
+    if list(plan.segment_batch) != list(range(plan.batch_size)):
+        return None
+    parts = []
+    for indices, padding, cu, seqlen in ((plan.indices_q, plan.padding_q, plan.cu_seqlens_q, plan.seqlen_q),
+                                         (plan.indices_k, plan.padding_k, plan.cu_seqlens_k, plan.seqlen_k)):
+        order = torch.cat([indices, padding])
+        rows = torch.arange(plan.batch_size * seqlen, dtype=torch.int64, device=order.device)
+        parts += [order, torch.empty_like(order).scatter_(0, order, rows), cu.to(torch.int64)]
+    layout = _LAYOUTS[plan] = torch.cat(parts)
+    return layout
+
+
 def _static_side(valid: torch.Tensor):
     """``valid [B, S]`` -> (order, inverse, cu_seqlens), all int64: the valid positions of each
     element in order, elements in batch order, then every padding position; no host read.

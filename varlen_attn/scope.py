@@ -75,16 +75,19 @@ class Policy:
     strict: bool = False
     float_mask: str = "bias"
     model: bool = False
+    # Compiled blocks of an enabled model: attention may run in the graph itself (varlen_attn.op,
+    # "In the graph"); the block's boundary turns it off where a mask needs the general route.
+    in_graph: bool = False
 
     @classmethod
     def of(cls, backend: str | None = None, strict: bool = False, float_mask: str = "bias",
-           model: bool = False) -> "Policy":
+           model: bool = False, in_graph: bool = False) -> "Policy":
         """Validate the arguments and resolve the backend name."""
         if float_mask not in FLOAT_POLICIES:
             raise InputValueError(f"float_mask must be one of {FLOAT_POLICIES}, got {float_mask!r}")
         if not isinstance(strict, bool):
             raise InputTypeError(f"strict must be a bool, got {describe(strict)}")
-        return cls(requested_backend(backend), strict, float_mask, model)
+        return cls(requested_backend(backend), strict, float_mask, model, in_graph)
 
     @property
     def unmasked_is_sdpa(self) -> bool:

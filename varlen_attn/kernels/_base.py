@@ -91,6 +91,10 @@ class Backend:
     NATIVE_BACKWARD: bool = False
     # True when the kernel runs on the padded tensors itself (forward_padded): no pack, no unpack.
     PADDED: bool = False
+    # True when traced_forward can be traced by torch.compile and differentiated by autograd:
+    # under compiled blocks the whole call then runs inside the graph (varlen_attn.op, "In the
+    # graph"), with no Python of ours at run time but one plan lookup per call.
+    TRACEABLE: bool = False
 
     def is_installed(self) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in self.REQUIRES)
@@ -147,6 +151,14 @@ class Backend:
         ``NATIVE_BACKWARD`` backends; the others get gradients by autograd through
         :meth:`forward` (eagerly, or recomputed inside varlen_attn.op's backward op)."""
         raise NotImplementedError(f"backend {self.NAME!r} has no forward/backward entry points")
+
+    def traced_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                       cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                       scale: float) -> torch.Tensor:
+        """Packed attention on a static plan's rows (:attr:`VarlenPlan.static`: rows past
+        ``cu_seqlens[-1]`` are read by no segment, and their output may hold anything), with
+        autograd, in tensor ops ``torch.compile`` traces. Only for ``TRACEABLE`` backends."""
+        raise NotImplementedError(f"backend {self.NAME!r} cannot be traced")
 
     def forward_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan,
                        scale: float, causal: bool) -> torch.Tensor:

@@ -23,6 +23,15 @@ class ReferenceBackend(Backend):
             reasons.append("reads a static plan's lengths on the host (CPU only)")
         return reasons
 
+    # The dense form of the oracle (kernels_ref.varlen_attention_dense) traces: how the CPU
+    # tests run the in-graph route. Quadratic in the rows, never picked by auto for it.
+    TRACEABLE = True
+
+    def traced_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+        import kernels_ref
+
+        return kernels_ref.varlen_attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, scale)
+
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
         import kernels_ref
 

@@ -95,6 +95,17 @@ class TorchVarlenBackend(Backend):
         and no recomputed forward in the compiled backward."""
         return _entry_points() is not None
 
+    @property
+    def TRACEABLE(self) -> bool:  # noqa: N802
+        """The aten forward is an op dynamo traces and autograd differentiates (its backward is
+        the aten backward): a compiled block holds the kernel itself."""
+        return _entry_points() is not None
+
+    def traced_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
+        fwd, _ = _entry_points()
+        return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, False, False,
+                   scale=scale)[0]
+
     def forward_lse(self, inp: VarlenInputs):
         fwd, _ = _entry_points()
         p = inp.plan

@@ -1,0 +1,229 @@
+"""The in-graph route (varlen_attn.op, "In the graph"): in compiled blocks of an enabled model,
+with a backend whose kernel traces, attention runs inside the block's graph on the forward's
+plan in the static layout, and a mask that layout cannot hold sends the block to the general
+route (the custom op) instead, with equal results.
+
+On the CPU the ``reference`` backend's dense form stands in for the GPU kernel (the ``torch``
+backend's aten forward, run in tests/test_gpu_models.py); the plan, the permutations, the
+padding rows and the autograd around the kernel are the code that runs on the GPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch._dynamo.utils import counters
+
+import kernels_ref
+import varlen_attn as va
+from varlen_attn.pack import permute_rows
+from _testing import IN_GRAPH_OP, HostReads, Recording, assert_model_close
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
+
+GENERAL_OP = f"varlen_attn.attention{va.op._CONTRACT}.default"
+
+
+def _blocks_of(model):
+    return [*model.transformer_blocks, *model.single_transformer_blocks]
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_compiled_blocks_run_attention_in_the_graph_and_equal_stock(checkpointing, monkeypatch):
+    """Tiny Chroma, every block compiled by inductor, a new mask each step (an empty prompt and
+    a batch of empty prompts among them): every graph holds the in-graph route and not the custom
+    op, the step builds one plan and reads the host once, no mask recompiles, and every step
+    equals stock in float64 (output and every gradient)."""
+    from _models import chroma_inputs, step, tiny_chroma
+
+    stock = tiny_chroma()
+    model = va.enable_varlen(tiny_chroma(), backend="reference")
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    backend = Recording()
+    for block in _blocks_of(model):
+        block.compile(fullgraph=True, backend=backend)
+    reads = HostReads(monkeypatch)
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2), (0, 0, 0)]):
+        inputs = chroma_inputs(lengths, seed=i)
+        va.reset_stats()
+        with reads:
+            got = step(model, inputs)
+        stats = va.stats()
+        assert stats["plan_builds"] == 1 and stats["host_syncs"] == 1 and not stats["fallbacks"], (lengths, stats)
+        assert i == 0 or reads.calls == ["tolist"], (lengths, reads.calls)  # the plan's one read
+        assert_model_close(got, step(stock, inputs), what=f"{lengths}")
+    assert len(backend.graphs) == 2, "one graph per block class; a new mask recompiled"
+    assert all(IN_GRAPH_OP in g and GENERAL_OP not in g for g in backend.graphs), backend.graphs
+    assert all(block.forward.in_graph for block in _blocks_of(model))
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+B, T, N, H, D = 3, 6, 10, 2, 8
+S = T + N
+
+
+class _Block(torch.nn.Module):
+    """Self-attention over a joint [text; image] row whose mask is made inside the block: the
+    padding outer product, or that restricted to two segments ("segments", packable but not one
+    segment per batch element), or a float bias on top ("bias", not packable)."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.qkv = torch.nn.Linear(H * D, 3 * H * D, dtype=torch.float64)
+
+    def forward(self, x, mask):
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(B, S, 3, H, D).unbind(2))
+        m = mask[:, None, None, :] & mask[:, None, :, None]
+        if self.kind == "segments":
+            half = (torch.arange(S) >= S // 2).to(torch.int64)
+            m = m & (half[:, None] == half[None, :])
+        elif self.kind == "bias":
+            m = torch.where(m, torch.linspace(0, 1, S, dtype=torch.float64), float("-inf"))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=m)
+        return out.transpose(1, 2).reshape(B, S, H * D)
+
+
+class _Model(torch.nn.Module):
+    def __init__(self, kinds):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_Block(kind) for kind in kinds])
+
+    def forward(self, x, mask):
+        for block in self.blocks:
+            x = x + block(x, mask)
+        return x
+
+
+@pytest.mark.parametrize("kind", ["segments", "bias"])
+def test_a_mask_the_static_layout_cannot_hold_sends_its_block_to_the_general_route(kind, monkeypatch):
+    """A block whose mask is not a padding mask is called again on the general route (traced
+    once more, then never again), the other blocks stay in the graph, and every step equals
+    stock; an unpackable mask's fallback to masked SDPA under auto is recorded with its reason,
+    as everywhere. (auto takes the traceable ``reference`` here.)"""
+    monkeypatch.setitem(va.kernels.PRIORITY, "cpu", ("reference",))
+    kinds = ["padding", kind, "padding"]
+    stock, model = _Model(kinds), va.enable_varlen(_Model(kinds))
+    backend = Recording()
+    for block in model.blocks:
+        block.compile(fullgraph=True, backend=backend)
+    for i, lengths in enumerate([(3, 6, 1), (0, 2, 5), (6, 6, 6)]):
+        mask = torch.cat([torch.arange(T)[None] < torch.tensor(lengths)[:, None], torch.ones(B, N, dtype=torch.bool)], 1)
+        x = torch.randn(B, S, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        va.reset_stats()
+        got = _out_and_grads(model, x, mask)
+        stats = va.stats()
+        assert_model_close(got, _out_and_grads(stock, x, mask), what=f"{kind} {lengths}")
+        assert [block.forward.in_graph for block in model.blocks] == [True, False, True]
+        assert bool(stats["fallbacks"]) == (kind == "bias"), stats
+        if i == 0:
+            graphs = len(backend.graphs)
+    assert len(backend.graphs) == graphs, "a later step recompiled"
+    # The padding blocks' graph and the first trace of the other block are in-graph; its second is not.
+    assert [IN_GRAPH_OP in g for g in backend.graphs] == [True, True, False], backend.graphs
+    assert GENERAL_OP in backend.graphs[-1]
+
+
+def test_an_explicit_backend_refuses_an_unpackable_mask_in_compiled_blocks_as_eagerly():
+    """backend="reference" asked for explicitly, a mask it cannot run: the compiled block raises
+    the error the eager forward raises (never a silent fallback), not the route's own signal."""
+    model = va.enable_varlen(_Model(["bias"]), backend="reference")
+    mask = torch.ones(B, S, dtype=torch.bool)
+    x = torch.randn(B, S, H * D, dtype=torch.float64)
+    with pytest.raises(va.BackendUnavailableError, match="needs a packable mask") as eager:
+        model(x, mask)
+    model.blocks[0].compile(fullgraph=True, backend=Recording())
+    with pytest.raises(va.BackendUnavailableError, match="needs a packable mask") as compiled:
+        model(x, mask)
+    assert str(compiled.value) == str(eager.value)
+
+
+def _out_and_grads(model, x, mask):
+    model.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    out = model(x, mask.clone())
+    (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+    return {"out": out.detach(), "grad x": x.grad, **{f"grad {n}": p.grad for n, p in model.named_parameters()}}
+
+
+@st.composite
+def _padding(draw):
+    b, sq, sk = draw(st.integers(1, 4)), draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    bits = st.lists(st.booleans(), min_size=1, max_size=1)
+    valid_q = torch.tensor([[draw(bits)[0] for _ in range(sq)] for _ in range(b)])
+    valid_k = torch.tensor([[draw(bits)[0] for _ in range(sk)] for _ in range(b)])
+    return valid_q, valid_k
+
+
+@given(_padding())
+def test_a_host_plans_static_layout_is_the_in_graph_plans(masks):
+    """``static_layout_of`` of a plan built on the host holds what ``static_plan_tensors_of``
+    builds in the graph from the same padding mask: the same segments and valid rows in the same
+    order, an inverse that undoes the order; None exactly where an element has no segment."""
+    valid_q, valid_k = masks
+    b, sq, sk = valid_q.shape[0], valid_q.shape[1], valid_k.shape[1]
+    mask = valid_q[:, None, :, None] & valid_k[:, None, None, :]
+    layout = va.plan.static_layout_of(va.build_plan(mask, convention="torch", batch_size=b, seqlen_q=sq, seqlen_k=sk))
+    segments = (valid_q.any(1) & valid_k.any(1)).all()
+    assert (layout is not None) == bool(segments)
+    if layout is None:
+        return
+    ours = torch.split(layout, [b * sq, b * sq, b + 1, b * sk, b * sk, b + 1])
+    ref = torch.split(va.plan.static_plan_tensors_of(mask, batch=b, seqlen_q=sq, seqlen_k=sk)[0],
+                      [b * sq, b * sq, b + 1, b * sk, b * sk, b + 1])
+    for (order, inverse, cu), (ref_order, ref_inverse, ref_cu), rows in ((ours[:3], ref[:3], b * sq),
+                                                                          (ours[3:], ref[3:], b * sk)):
+        total = int(cu[-1])
+        assert torch.equal(cu, ref_cu)
+        assert torch.equal(order[:total], ref_order[:total])
+        assert torch.equal(inverse[order], torch.arange(rows))
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=4), st.lists(st.integers(0, 5), min_size=1, max_size=4),
+       st.integers(0, 3), st.integers(0, 3))
+def test_the_dense_oracle_equals_the_looping_oracle(lens_q, lens_k, spare_q, spare_k):
+    """``kernels_ref.varlen_attention_dense`` (the traced form) equals ``flash_attn_varlen_func``
+    on every sequence, outputs and gradients, and gives zeros and zero gradients on the spare
+    rows past the last sequence (whatever they hold)."""
+    n = min(len(lens_q), len(lens_k))
+    lens_q, lens_k = lens_q[:n], lens_k[:n]
+    cu_q = torch.tensor([0, *lens_q]).cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0, *lens_k]).cumsum(0).to(torch.int32)
+    g = torch.Generator().manual_seed(sum(lens_q) + 7 * sum(lens_k))
+    tq, tk = sum(lens_q), sum(lens_k)
+    q = torch.randn(tq + spare_q, 4, 8, dtype=torch.float64, generator=g).requires_grad_()
+    k = torch.randn(tk + spare_k, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
+    v = torch.randn(tk + spare_k, 2, 8, dtype=torch.float64, generator=g).requires_grad_()
+    w = torch.randn(tq + spare_q, 4, 8, dtype=torch.float64, generator=g)
+
+    def grads(fn, *inputs):
+        out = fn(*inputs)
+        return [out, *torch.autograd.grad((out * w[: out.shape[0]]).sum(), inputs, allow_unused=True)]
+
+    dense = grads(lambda q, k, v: kernels_ref.varlen_attention_dense(q, k, v, cu_q, cu_k, 0.3), q, k, v)
+    looping = grads(lambda q, k, v: kernels_ref.flash_attn_varlen_func(
+        q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), softmax_scale=0.3), q[:tq], k[:tk], v[:tk])
+    for got, want in zip(dense, looping):
+        rows = want.shape[0]
+        torch.testing.assert_close(got[:rows], want, rtol=0, atol=1e-12)
+        assert torch.equal(got[rows:], torch.zeros_like(got[rows:]))
+
+
+def test_permuted_rows_differentiate_exactly():
+    order = torch.randperm(7, generator=torch.Generator().manual_seed(0))
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(7))
+    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.equal(permute_rows(x, order, inverse), x[order])
+    torch.autograd.gradcheck(lambda x: permute_rows(x, order, inverse), (x,))
+    torch.autograd.gradgradcheck(lambda x: permute_rows(x, order, inverse), (x,))
+
+
+def test_in_graph_plan_op_passes_opcheck():
+    """torch.library.opcheck on the plan op: schema, fake implementation, equal outputs eagerly
+    and under AOTDispatcher (its layout, a copy of the plan's, depends only on the mask)."""
+    keep = torch.arange(S)[None] < torch.tensor([5, 12, 1])[:, None]
+    q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
+    torch.library.opcheck(va.op.in_graph_plan_op, (q, k, v, keep, [], "", None, False, "reference", "reference",
+                                                   False, "model", "bool", False))
