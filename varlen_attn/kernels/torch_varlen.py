@@ -102,9 +102,9 @@ class TorchVarlenBackend(Backend):
         return _entry_points() is not None
 
     def traced_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
-        fwd, _ = _entry_points()
-        return fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, False, False,
-                   scale=scale)[0]
+        # The op named directly (dynamo traces an op, not _entry_points' import); TRACEABLE said it exists.
+        return torch.ops.aten._flash_attention_forward.default(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, False, False, scale=scale)[0]
 
     def forward_lse(self, inp: VarlenInputs):
         fwd, _ = _entry_points()
