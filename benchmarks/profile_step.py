@@ -36,7 +36,7 @@ def main():
     for name in ["stock", *(f"varlen:{b}" for b in backends), "stock (again)"]:
         model = T.sharing_copy(base)
         if name.startswith("varlen:"):
-            va.enable_varlen(model, backend=name.split(":", 1)[1])
+            T.enable(model, name.split(":", 1)[1])
         if args.compile == "blocks":
             for block in T.blocks_of(model):
                 block.compile(fullgraph=True, mode=args.compile_mode)

@@ -165,6 +165,13 @@ def build_model(args, dev: torch.device, dtype: torch.dtype) -> tuple[torch.nn.M
     return model, cfg
 
 
+def enable(model: torch.nn.Module, spec: str) -> None:
+    """``enable_varlen`` for a ``--backends`` entry: a backend name, or ``<backend>@general``,
+    whose compiled blocks keep attention in the custom op (``in_graph=False``)."""
+    backend, _, route = spec.partition("@")
+    va.enable_varlen(model, backend=backend, in_graph=route != "general")
+
+
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [*model.transformer_blocks, *getattr(model, "single_transformer_blocks", [])]
 
@@ -451,9 +458,7 @@ def main():
     for name in ["stock", "nomask", *(f"varlen:{b}" for b in backends)]:
         model = sharing_copy(base)
         if name.startswith("varlen:"):
-            # "<backend>@general": compiled blocks keep attention in the custom op (in_graph=False)
-            backend, _, route = name.split(":", 1)[1].partition("@")
-            va.enable_varlen(model, backend=backend, in_graph=route != "general")
+            enable(model, name.split(":", 1)[1])
         if compiled:
             for block in blocks_of(model):
                 block.compile(fullgraph=True, backend=compile_backend, mode=args.compile_mode)
