@@ -65,8 +65,9 @@ S = T + N
 
 class _Block(torch.nn.Module):
     """Self-attention over a joint [text; image] row whose mask is made inside the block: the
-    padding outer product, or that restricted to two segments ("segments", packable but not one
-    segment per batch element), or a float bias on top ("bias", not packable)."""
+    padding outer product, key padding alone (``[B, 1, 1, S]``, "keys"), or the outer product
+    restricted to two segments ("segments", packable but not one segment per batch element), or
+    a float bias on top ("bias", not packable)."""
 
     def __init__(self, kind: str):
         super().__init__()
@@ -76,7 +77,9 @@ class _Block(torch.nn.Module):
     def forward(self, x, mask):
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(B, S, 3, H, D).unbind(2))
         m = mask[:, None, None, :] & mask[:, None, :, None]
-        if self.kind == "segments":
+        if self.kind == "keys":
+            m = mask[:, None, None, :]
+        elif self.kind == "segments":
             half = (torch.arange(S) >= S // 2).to(torch.int64)
             m = m & (half[:, None] == half[None, :])
         elif self.kind == "bias":
@@ -95,6 +98,23 @@ class _Model(torch.nn.Module):
         for block in self.blocks:
             x = x + block(x, mask)
         return x
+
+
+def test_a_key_padding_mask_runs_in_the_graph_on_the_queries_as_they_are():
+    """Key padding (every query of an element sees the same keys): the in-graph route moves only
+    the keys and values and equals stock; a batch element with no key at all (its queries attend
+    nothing: no segment) sends the block to the general route, which equals stock too."""
+    stock, model = _Model(["keys", "padding"]), va.enable_varlen(_Model(["keys", "padding"]), backend="reference")
+    backend = Recording()
+    for block in model.blocks:
+        block.compile(fullgraph=True, backend=backend)
+    for i, (lengths, image) in enumerate([((3, 6, 1), N), ((0, 2, 5), N), ((2, 0, 4), 0)]):
+        mask = torch.cat([torch.arange(T)[None] < torch.tensor(lengths)[:, None],
+                          torch.arange(N)[None].expand(B, N) < image], 1)
+        x = torch.randn(B, S, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+        assert_model_close(_out_and_grads(model, x, mask), _out_and_grads(stock, x, mask), what=f"{lengths} {image}")
+        assert model.blocks[0].forward.in_graph == (image > 0)
+    assert IN_GRAPH_OP in backend.graphs[0]
 
 
 @pytest.mark.parametrize("kind", ["segments", "bias"])
@@ -226,4 +246,4 @@ def test_in_graph_plan_op_passes_opcheck():
     keep = torch.arange(S)[None] < torch.tensor([5, 12, 1])[:, None]
     q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
     torch.library.opcheck(va.op.in_graph_plan_op, (q, k, v, keep, [], "", None, False, "reference", "reference",
-                                                   False, "model", "bool", False))
+                                                   False, "model", "bool", False, True))

@@ -514,29 +514,36 @@ def _in_graph_attention(q, k, v, mask: Tensor, chosen: str, scale: float, *, con
     """The in-graph route (see above): padded ``[B, S, H, D]`` in and out."""
     roots, derivation = traced_signature(mask)
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    # A mask broadcast over the queries (key padding, cross-attention) gives every query of an
+    # element the same keys: in the static layout the queries keep their order (the op checks).
+    queries_alike = execution.mask4_of(mask, q, k, convention).shape[2] == 1
     layout = in_graph_plan_op(q, k, v, mask, roots, derivation, None if opts.scale is None else float(opts.scale),
                               bool(opts.gqa), chosen, policy.backend, policy.strict, convention, policy.float_mask,
-                              policy.model)
+                              policy.model, queries_alike)
     order_q, inverse_q, cu_q, order_k, inverse_k, cu_k = torch.split(layout, [b * sq, b * sq, b + 1, b * sk, b * sk, b + 1])
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
     # Rows past the last segment are padding: zeros going in, so their gradients (which the kernel
     # leaves unwritten) are zeros going back; zeros coming out, where SDPA gives zeros.
-    real_q = (torch.arange(b * sq, device=q.device) < cu_q[-1])[:, None, None]
     real_k = (torch.arange(b * sk, device=k.device) < cu_k[-1])[:, None, None]
-    qp = torch.where(real_q, permute_rows(q.flatten(0, 1), order_q, inverse_q), 0)
     kp = torch.where(real_k, permute_rows(k.flatten(0, 1), order_k, inverse_k), 0)
     vp = torch.where(real_k, permute_rows(v.flatten(0, 1), order_k, inverse_k), 0)
-    out = BACKENDS[chosen].traced_forward(qp, kp, vp, cu_q, cu_k, sq, sk, scale)
-    out = torch.where((inverse_q >= cu_q[-1])[:, None, None], 0, permute_rows(out, inverse_q, order_q))
+    if queries_alike:
+        out = BACKENDS[chosen].traced_forward(q.flatten(0, 1), kp, vp, cu_q, cu_k, sq, sk, scale)
+    else:
+        real_q = (torch.arange(b * sq, device=q.device) < cu_q[-1])[:, None, None]
+        qp = torch.where(real_q, permute_rows(q.flatten(0, 1), order_q, inverse_q), 0)
+        out = BACKENDS[chosen].traced_forward(qp, kp, vp, cu_q, cu_k, sq, sk, scale)
+        out = torch.where((inverse_q >= cu_q[-1])[:, None, None], 0, permute_rows(out, inverse_q, order_q))
     return out.view(b, sq, q.shape[2], v.shape[-1])
 
 
 @torch.library.custom_op("varlen_attn::in_graph_plan", mutates_args=(), tags=_NOT_CAPTURABLE)
 def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[Tensor], derivation: str,
                      scale: Optional[float], gqa: bool, chosen: str, backend: str, strict: bool, convention: str,
-                     float_mask: str, model: bool) -> Tensor:
-    """The call's plan in the static layout, for the in-graph route running backend ``chosen``;
-    raises :class:`InGraphDeclined` where that route cannot run it (see above)."""
+                     float_mask: str, model: bool, queries_alike: bool) -> Tensor:
+    """The call's plan in the static layout, for the in-graph route running backend ``chosen``
+    (with ``queries_alike``, on the queries as they are); raises :class:`InGraphDeclined` where
+    that route cannot run it (see above)."""
     with torch._C.DisableTorchFunction():
         plan, r, _, _ = _forward_state(q, k, v, mask, None, roots, derivation, scale, False, gqa, backend, strict,
                                        convention, float_mask, model, current_scope())
@@ -547,11 +554,14 @@ def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[
         layout = static_layout_of(plan)
         if layout is None:
             raise InGraphDeclined("the mask is not a padding mask (one segment per batch element)")
+        if queries_alike and not plan.q_identity:
+            raise InGraphDeclined("some query rows attend no key")
         _stats.record_backend(chosen)
         return layout.clone()
 
 
 @in_graph_plan_op.register_fake
-def _(q, k, v, mask, roots, derivation, scale, gqa, chosen, backend, strict, convention, float_mask, model):
+def _(q, k, v, mask, roots, derivation, scale, gqa, chosen, backend, strict, convention, float_mask, model,
+      queries_alike):
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     return q.new_empty((2 * b * sq + 2 * b * sk + 2 * (b + 1),), dtype=torch.int64)
