@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import varlen_attn as va
-from _testing import CopySaved, HostReads, assert_model_close
+from _testing import IN_GRAPH_OP, CopySaved, HostReads, Recording, assert_model_close
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
@@ -147,21 +147,24 @@ def test_compile_below_the_supported_torch_refuses_clearly(mode, monkeypatch, fr
         run()
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("checkpointing", [True, False])
-def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, monkeypatch):
+def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, backend, monkeypatch):
     """Every block compiled with inductor (fullgraph), gradient checkpointing on or off, a new
     mask each step: each compiled block re-derives Chroma's outer-product mask inside its graph,
     yet the step builds one plan and reads the host once (counted two ways: the library's own
-    counter, and every host read of tensor values during the step), and equals eager stock."""
+    counter, and every host read of tensor values during the step), and equals eager stock.
+    Both compiled routes: the custom op (auto: ``split_sdpa`` on the CPU) and attention in the
+    graph (``reference``, whose dense form traces: varlen_attn.op, "In the graph")."""
     from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 
     stock = tiny_chroma()
-    model = va.enable_varlen(tiny_chroma())
+    model = va.enable_varlen(tiny_chroma(), backend=backend)
     if checkpointing:
         model.enable_gradient_checkpointing()
-    cnt = dynamo_testing.CompileCounterWithBackend("inductor")
+    compiler = Recording()
     for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-        block.compile(fullgraph=True, backend=cnt)
+        block.compile(fullgraph=True, backend=compiler)
     reads = HostReads(monkeypatch)
     for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2), (0, 0, 0)]):
         inputs = chroma_inputs(lengths, seed=i)
@@ -174,7 +177,8 @@ def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, monk
         assert i == 0 or reads.calls == ["tolist"], (lengths, reads.calls)
         assert sum(st["backends"].values()) >= CHROMA_ATTN_LAYERS and not st["fallbacks"], st
         assert_model_close(got, step(stock, inputs), what=f"{lengths}")
-    assert cnt.frame_count == 2, "a new mask recompiled"
+    assert len(compiler.graphs) == 2, "a new mask recompiled"
+    assert all((IN_GRAPH_OP in g) == (backend == "reference") for g in compiler.graphs), compiler.graphs
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 

@@ -5,58 +5,24 @@ route (the custom op) instead, with equal results.
 
 On the CPU the ``reference`` backend's dense form stands in for the GPU kernel (the ``torch``
 backend's aten forward, run in tests/test_gpu_models.py); the plan, the permutations, the
-padding rows and the autograd around the kernel are the code that runs on the GPU."""
+padding rows and the autograd around the kernel are the code that runs on the GPU. The tiny
+Chroma with every block compiled on this route (one plan and one host read per step, equal to
+stock, the route in every graph) is in tests/test_compile.py, beside the custom op's route."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
-from torch._dynamo.utils import counters
 
 import kernels_ref
 import varlen_attn as va
 from varlen_attn.pack import permute_rows
-from _testing import IN_GRAPH_OP, HostReads, Recording, assert_model_close
+from _testing import IN_GRAPH_OP, Recording, assert_model_close
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
 GENERAL_OP = f"varlen_attn.attention{va.op._CONTRACT}.default"
-
-
-def _blocks_of(model):
-    return [*model.transformer_blocks, *model.single_transformer_blocks]
-
-
-@pytest.mark.parametrize("checkpointing", [True, False])
-def test_compiled_blocks_run_attention_in_the_graph_and_equal_stock(checkpointing, monkeypatch):
-    """Tiny Chroma, every block compiled by inductor, a new mask each step (an empty prompt and
-    a batch of empty prompts among them): every graph holds the in-graph route and not the custom
-    op, the step builds one plan and reads the host once, no mask recompiles, and every step
-    equals stock in float64 (output and every gradient)."""
-    from _models import chroma_inputs, step, tiny_chroma
-
-    stock = tiny_chroma()
-    model = va.enable_varlen(tiny_chroma(), backend="reference")
-    if checkpointing:
-        model.enable_gradient_checkpointing()
-    backend = Recording()
-    for block in _blocks_of(model):
-        block.compile(fullgraph=True, backend=backend)
-    reads = HostReads(monkeypatch)
-    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2), (0, 0, 0)]):
-        inputs = chroma_inputs(lengths, seed=i)
-        va.reset_stats()
-        with reads:
-            got = step(model, inputs)
-        stats = va.stats()
-        assert stats["plan_builds"] == 1 and stats["host_syncs"] == 1 and not stats["fallbacks"], (lengths, stats)
-        assert i == 0 or reads.calls == ["tolist"], (lengths, reads.calls)  # the plan's one read
-        assert_model_close(got, step(stock, inputs), what=f"{lengths}")
-    assert len(backend.graphs) == 2, "one graph per block class; a new mask recompiled"
-    assert all(IN_GRAPH_OP in g and GENERAL_OP not in g for g in backend.graphs), backend.graphs
-    assert all(block.forward.in_graph for block in _blocks_of(model))
-    assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 B, T, N, H, D = 3, 6, 10, 2, 8
