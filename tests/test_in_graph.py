@@ -9,8 +9,11 @@ padding rows and the autograd around the kernel are the code that runs on the GP
 Chroma with every block compiled on this route (one plan and one host read per step, equal to
 stock, the route in every graph) is in tests/test_compile.py, beside the custom op's route."""
 
+import functools
+
 import pytest
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
@@ -20,7 +23,37 @@ import varlen_attn as va
 from varlen_attn.pack import permute_rows
 from _testing import IN_GRAPH_OP, Recording, assert_model_close
 
-pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
+pytestmark = pytest.mark.usefixtures("fresh_dynamo", "unwritten_rows")  # conftest.py, below
+
+
+class _Unwritten(torch.autograd.Function):
+    """The identity, whose gradient is NaN on the rows ``past``: what the GPU kernel's backward
+    leaves in rows no segment covers (unwritten memory)."""
+
+    @staticmethod
+    def forward(ctx, x, past):
+        ctx.save_for_backward(past)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (past,) = ctx.saved_tensors
+        return torch.where(past, float("nan"), grad), None
+
+
+@pytest.fixture
+def unwritten_rows(monkeypatch):
+    """The CPU stand-in behaves as the GPU kernel does on the rows past the last segment: its
+    output and its gradients there are NaN, not the zeros the dense oracle gives, so a test
+    fails unless the route itself keeps those rows out of the results."""
+
+    def traced_forward(self, q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        past_q = (torch.arange(q.shape[0]) >= cu_q[-1])[:, None, None]
+        past_k = (torch.arange(k.shape[0]) >= cu_k[-1])[:, None, None]
+        q, k, v = _Unwritten.apply(q, past_q), _Unwritten.apply(k, past_k), _Unwritten.apply(v, past_k)
+        return torch.where(past_q, float("nan"), kernels_ref.varlen_attention_dense(q, k, v, cu_q, cu_k, scale))
+
+    monkeypatch.setattr(va.kernels.BACKENDS["reference"].__class__, "traced_forward", traced_forward)
 
 GENERAL_OP = f"varlen_attn.attention{va.op._CONTRACT}.default"
 
@@ -35,12 +68,13 @@ class _Block(torch.nn.Module):
     restricted to two segments ("segments", packable but not one segment per batch element), or
     a float bias on top ("bias", not packable)."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, dropout: float = 0.0):
         super().__init__()
-        self.kind = kind
+        self.kind, self.dropout = kind, dropout
         self.qkv = torch.nn.Linear(H * D, 3 * H * D, dtype=torch.float64)
 
     def forward(self, x, mask):
+        x = F.dropout(x, self.dropout) if self.dropout else x  # as peft's lora_dropout, before attention
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(B, S, 3, H, D).unbind(2))
         m = mask[:, None, None, :] & mask[:, None, :, None]
         if self.kind == "keys":
@@ -55,15 +89,34 @@ class _Block(torch.nn.Module):
 
 
 class _Model(torch.nn.Module):
-    def __init__(self, kinds):
+    """Blocks in a row; with ``checkpointing``, called as diffusers calls them (non-reentrant
+    ``torch.utils.checkpoint`` through ``_gradient_checkpointing_func``)."""
+
+    def __init__(self, kinds, checkpointing=False, dropout=0.0):
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList([_Block(kind) for kind in kinds])
+        self.blocks = torch.nn.ModuleList([_Block(kind, dropout) for kind in kinds])
+        self.gradient_checkpointing = checkpointing
+        if checkpointing:
+            self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                  use_reentrant=False)
 
-    def forward(self, x, mask):
+    def forward(self, x, attention_mask):
         for block in self.blocks:
-            x = x + block(x, mask)
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = x + self._gradient_checkpointing_func(block, x, attention_mask)
+            else:
+                x = x + block(x, attention_mask)
         return x
+
+
+def _mask(lengths, image=N):
+    return torch.cat([torch.arange(T)[None] < torch.tensor(lengths)[:, None],
+                      torch.arange(N)[None].expand(B, N) < image], 1)
+
+
+def _x(seed):
+    return torch.randn(B, S, H * D, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
 
 
 def test_a_key_padding_mask_runs_in_the_graph_on_the_queries_as_they_are():
@@ -126,12 +179,14 @@ def test_an_explicit_backend_refuses_an_unpackable_mask_in_compiled_blocks_as_ea
     assert str(compiled.value) == str(eager.value)
 
 
-def _out_and_grads(model, x, mask):
-    model.zero_grad(set_to_none=True)
+def _out_and_grads(model, x, mask, params=None):
+    """Output and gradients (of x and of the parameters of ``params``, default ``model``)."""
+    params = model if params is None else params
+    params.zero_grad(set_to_none=True)
     x = x.clone().requires_grad_()
     out = model(x, mask.clone())
     (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-    return {"out": out.detach(), "grad x": x.grad, **{f"grad {n}": p.grad for n, p in model.named_parameters()}}
+    return {"out": out.detach(), "grad x": x.grad, **{f"grad {n}": p.grad for n, p in params.named_parameters()}}
 
 
 @st.composite
@@ -213,3 +268,75 @@ def test_in_graph_plan_op_passes_opcheck():
     q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
     torch.library.opcheck(va.op.in_graph_plan_op, (q, k, v, keep, [], "", None, False, "reference", "reference",
                                                    False, "model", "bool", False, True))
+
+
+def test_a_recomputation_takes_its_forwards_route_when_a_later_forward_declined():
+    """Two checkpointed forwards before one backward (``loss = f(x1) + f(x2)``): the first runs
+    in the graph, the second declines and turns the block's route off; the first forward's
+    recomputation still takes the route its forward took (checkpointing would stop otherwise:
+    "A different number of tensors was saved"), and the gradients equal stock's."""
+    def grads(model):
+        model.zero_grad(set_to_none=True)
+        out = model(_x(0), _mask((3, 6, 1))).pow(2).sum() + model(_x(1), _mask((0, 2, 5), image=0)).pow(2).sum()
+        out.backward()
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    stock, model = _Model(["keys"], True), va.enable_varlen(_Model(["keys"], True), backend="reference")
+    model.blocks[0].compile(fullgraph=True, backend=Recording())
+    assert_model_close(grads(model), grads(stock), what="two forwards")
+    assert model.blocks[0].forward.in_graph is False
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_declined_call_runs_again_from_its_random_state(compiler):
+    """Dropout before attention, checkpointing, and a first call the route declines: the call
+    that counts starts from the random state the declined one started from, which is the state
+    the checkpoint restores for its recomputation; so the gradients equal those of the same
+    step with the route off (the same dropout mask in forward and recomputation)."""
+    def run(in_graph):
+        torch._dynamo.reset()
+        model = va.enable_varlen(_Model(["keys"], True, dropout=0.5), backend="reference", in_graph=in_graph)
+        model.blocks[0].compile(fullgraph=True, backend=compiler)
+        torch.manual_seed(7)
+        return _out_and_grads(model, _x(0), _mask((0, 2, 5), image=0))
+
+    got, want = run(True), run(False)
+    assert all(torch.equal(got[name], want[name]) for name in want), {n: (got[n] - want[n]).abs().max() for n in want}
+
+
+def test_the_route_is_taken_only_by_blocks_compiled_alone_with_fullgraph():
+    """Without ``fullgraph`` (a declined call could leave the graphs before the break run and
+    their tensors saved) and inside a whole model compiled around compiled blocks (no boundary
+    to call the block again) attention stays in the custom op: a mask the route cannot run
+    raises nothing there, and results equal stock."""
+    mask = _mask((0, 2, 5), image=0)
+    stock = _Model(["keys"])
+    partial = va.enable_varlen(_Model(["keys"]), backend="reference")
+    compiler = Recording()
+    partial.blocks[0].compile(backend=compiler)
+    assert_model_close(_out_and_grads(partial, _x(0), mask), _out_and_grads(stock, _x(0), mask), what="no fullgraph")
+    assert compiler.graphs and not any(IN_GRAPH_OP in g for g in compiler.graphs), compiler.graphs
+    whole = va.enable_varlen(_Model(["keys"]), backend="reference")
+    whole.blocks[0].compile(fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(whole, backend="aot_eager")
+    assert_model_close(_out_and_grads(compiled, _x(0), mask, whole), _out_and_grads(stock, _x(0), mask), what="whole")
+
+
+def test_a_block_forward_pickled_before_the_flag_takes_the_route():
+    """A ``_BlockForward`` restored from a pickle of an earlier release has no ``in_graph`` of its
+    own: it reads the class's default, and the block runs in the graph."""
+    model = va.enable_varlen(_Model(["keys"]), backend="reference")
+    compiler = Recording()
+    model.blocks[0].compile(fullgraph=True, backend=compiler)
+    model(_x(0), _mask((3, 6, 1)))
+    del model.blocks[0].forward.__dict__["in_graph"]
+    torch._dynamo.reset()
+    model(_x(0), _mask((3, 6, 1)))
+    assert IN_GRAPH_OP in compiler.graphs[-1]
+
+
+def test_an_invalid_in_graph_leaves_an_enabled_model_enabled():
+    model = va.enable_varlen(_Model(["keys"]))
+    with pytest.raises(va.InputTypeError, match="in_graph must be a bool, got str"):
+        va.enable_varlen(model, in_graph="no")
+    assert model._varlen_state is not None

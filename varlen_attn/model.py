@@ -272,12 +272,14 @@ def enable_varlen(
             runs); ``"error"``: raise. Other additive masks keep SDPA's reading under every policy.
         restore_checkpoint_mask: pass the model's ``attention_mask`` to checkpointed blocks that
             diffusers calls without it (Chroma's single blocks).
-        in_graph: in submodules compiled on their own (``block.compile()``, regional
-            compilation), run attention inside the compiled graph where the backend's kernel
-            traces (the ``torch`` backend): no Python of varlen_attn runs then beyond one plan
-            lookup per call. A block whose mask that route cannot run (not a padding mask)
-            takes the general route, varlen_attn's custom op, by itself. False: the custom op
-            everywhere, as under a whole model compiled.
+        in_graph: in submodules compiled on their own with ``fullgraph=True``
+            (``block.compile()``, regional compilation), run attention inside the compiled graph
+            where the backend's kernel traces (``torch``; ``reference`` on the CPU): no Python
+            of varlen_attn runs then beyond one plan lookup per call. A block whose call that
+            route cannot run (a mask that is not one segment per batch element, a fallback to
+            masked SDPA) is called again on the general route, varlen_attn's custom op, and
+            keeps it from then on (logged at INFO). False: the custom op everywhere, as under a
+            whole model compiled and without ``fullgraph``.
 
     Returns:
         ``model`` itself; :func:`varlen` is the context-manager form.
@@ -285,10 +287,10 @@ def enable_varlen(
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {describe(model)}")
     Policy.of(backend, strict, float_mask)  # validate now, not at the first forward
-    if getattr(model, "_varlen_state", None) is not None:
-        disable_varlen(model)
     if not isinstance(in_graph, bool):
         raise InputTypeError(f"in_graph must be a bool, got {describe(in_graph)}")
+    if getattr(model, "_varlen_state", None) is not None:
+        disable_varlen(model)
     state = _State(backend, strict, float_mask, restore_checkpoint_mask, in_graph)
     # diffusers routes attention to a non-native backend when one was set per processor; those
     # (e.g. flash_varlen) bypass SDPA and some are wrong for joint sequences. Use native while enabled.
@@ -445,17 +447,50 @@ class _Boundary:
         self.block = block  # the module whose forward is the _BlockForward
 
     def __call__(self, *args, **kwargs):
+        """The compiled call, attention in the graph where the block's flag says so (dynamo
+        guards on ``_BlockForward.in_graph``: one graph per value). The route a forward took is
+        kept in its scope, so the checkpoint recomputation takes it again even where another
+        forward has turned the flag off since; a call the route declines
+        (:class:`~varlen_attn.op.InGraphDeclined`, before the graph saved anything: only
+        fullgraph compiles take the route) turns the flag off for good and runs again, from the
+        random state the first attempt started with."""
+        forward = self.block.__dict__.get("forward")
+        if not isinstance(forward, _BlockForward) or torch.compiler.is_compiling():
+            return self._call(*args, **kwargs)
+        scope = current_scope()
+        route = forward.in_graph if scope is None else scope.routes.setdefault(id(self.block), forward.in_graph)
+        if route != forward.in_graph:  # a recomputation whose forward ran before the flag went off
+            with _route_lock:
+                forward.in_graph = route
+                try:
+                    return self._attempt(args, kwargs)
+                finally:
+                    forward.in_graph = False
+        if not route:
+            return self._attempt(args, kwargs)
+        rng = _rng_state()
+        calls = None if scope is None else scope.masked_calls
+        try:
+            return self._attempt(args, kwargs)
+        except InGraphDeclined as declined:
+            with _route_lock:
+                for module in self.block.modules():  # nested compiled blocks too
+                    inner = module.__dict__.get("forward")
+                    if isinstance(inner, _BlockForward):
+                        inner.in_graph = False
+            if scope is not None:
+                scope.routes[id(self.block)] = False
+                scope.masked_calls = calls
+            logger.info("varlen_attn: %s takes the general compiled route: %s", type(self.block).__name__, declined)
+            _set_rng_state(rng)
+            return self._attempt(args, kwargs)
+
+    def _attempt(self, args, kwargs):
+        _boundary.depth = getattr(_boundary, "depth", 0) + 1
         try:
             return self._call(*args, **kwargs)
-        except InGraphDeclined as declined:
-            # A mask the in-graph route cannot run (varlen_attn.op, "In the graph"): the block
-            # takes the general route from now on (dynamo guards on the flag: traced anew once).
-            forward = self.block.__dict__.get("forward")
-            if not isinstance(forward, _BlockForward) or not forward.in_graph:
-                raise
-            forward.in_graph = False
-            logger.info("varlen_attn: %s takes the general compiled route: %s", type(self.block).__name__, declined)
-            return self._call(*args, **kwargs)
+        finally:
+            _boundary.depth -= 1
 
     def _call(self, *args, **kwargs):
         scope = None if torch.compiler.is_compiling() else current_scope()
@@ -467,6 +502,39 @@ class _Boundary:
             return self.inner(*args, **kwargs)
 
 
+# Compiled blocks a _Boundary is calling on this thread: dynamo traces a block for the in-graph
+# route only inside one (not inlined into a whole model compiled around it).
+_boundary = threading.local()
+# Held while a block's route flag is changed against the forward's own (rare: a decline, or the
+# recomputation of a forward that ran before one).
+_route_lock = threading.RLock()
+
+
+@torch._dynamo.assume_constant_result  # read while tracing; the graph holds the answer
+def _traced_for_the_boundary() -> bool:
+    """Dynamo is tracing a compiled block that a _Boundary called (not a whole model compiled
+    around it), with ``fullgraph=True``: a decline then comes before anything ran."""
+    if not getattr(_boundary, "depth", 0):
+        return False
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return bool(InstructionTranslator.current_tx().one_graph)
+    except Exception:  # noqa: BLE001 - another torch: the general route
+        return False
+
+
+def _rng_state():
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1])
+
+
 class _BlockForward(_InstanceForward):
     """``forward`` of a compiled submodule while the model is enabled. Traced by dynamo, it
     enters the SDPA hook inside the compiled code (a scope holding the policy only: plans are
@@ -474,6 +542,8 @@ class _BlockForward(_InstanceForward):
     holds the routed attention and no hook is active while it runs. Run eagerly after all
     (dynamo disabled, or ``set_stance("force_eager")``), it re-enters the forward's hook that
     :class:`_Boundary` took off. ``inner``: the instance forward it replaced, or None."""
+
+    in_graph = True  # the default of wrappers pickled before the flag existed
 
     def __init__(self, module: torch.nn.Module, inner, state: _State):
         super().__init__(module, inner)
@@ -483,7 +553,8 @@ class _BlockForward(_InstanceForward):
     def __call__(self, *args, **kwargs):
         target = self._target()
         if torch.compiler.is_compiling():
-            with VarlenHook(Scope(self.state.policy(in_graph=self.in_graph))):
+            in_graph = self.in_graph and _traced_for_the_boundary()
+            with VarlenHook(Scope(self.state.policy(in_graph=in_graph))):
                 return target(*args, **kwargs)
         scope = hidden_scope()
         if scope is None:

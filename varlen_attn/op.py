@@ -2,7 +2,8 @@
 
 Under compilation the functional entries (and through them ``enable_varlen``'s SDPA hook) call
 :func:`attention`, which calls ``torch.ops.varlen_attn.attention_v2`` (under CUDA graphs another
-path, below: "Under CUDA graphs"). Everything data-dependent happens inside that op, at run
+path, below: "Under CUDA graphs"; in compiled blocks of an enabled model with a backend whose
+kernel traces, attention in the graph itself, below: "In the graph"). Everything data-dependent happens inside that op, at run
 time, through the same code as the eager path: the plan
 (:func:`varlen_attn.scope.resolve_plan`, or a prebuilt plan named by its ``token``), the route
 and its execution (:mod:`varlen_attn.execution`). The graph sees only padded tensors in and
@@ -35,7 +36,7 @@ import torch
 from torch import Tensor
 
 from . import _stats, execution
-from ._errors import BackendUnavailableError, InputValueError
+from ._errors import BackendUnavailableError, InputValueError, VarlenAttnError
 from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, select
 from .kernels._base import compiled_graph
@@ -489,7 +490,7 @@ static_attention_op.register_autograd(_static_backward, setup_context=_static_se
 # off for that block and calls it again: traced anew, it takes the op above.
 
 
-class InGraphDeclined(Exception):
+class InGraphDeclined(VarlenAttnError):
     """Raised at run time by the in-graph route's plan op where the call needs the general route
     (the custom op above); caught by the compiled block's boundary, which calls it again without."""
 
@@ -515,15 +516,16 @@ def _in_graph_attention(q, k, v, mask: Tensor, chosen: str, scale: float, *, con
     roots, derivation = traced_signature(mask)
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     # A mask broadcast over the queries (key padding, cross-attention) gives every query of an
-    # element the same keys: in the static layout the queries keep their order (the op checks).
+    # element the same keys: where the static layout holds it (every element has a key) every
+    # query is valid and keeps its place.
     queries_alike = execution.mask4_of(mask, q, k, convention).shape[2] == 1
     layout = in_graph_plan_op(q, k, v, mask, roots, derivation, None if opts.scale is None else float(opts.scale),
                               bool(opts.gqa), chosen, policy.backend, policy.strict, convention, policy.float_mask,
                               policy.model, queries_alike)
     order_q, inverse_q, cu_q, order_k, inverse_k, cu_k = torch.split(layout, [b * sq, b * sq, b + 1, b * sk, b * sk, b + 1])
     cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    # Rows past the last segment are padding: zeros going in, so their gradients (which the kernel
-    # leaves unwritten) are zeros going back; zeros coming out, where SDPA gives zeros.
+    # Rows past the last segment are padding: the where's backward zeroes their gradients (which
+    # the kernel leaves unwritten); coming out, they are zeros, as SDPA gives.
     real_k = (torch.arange(b * sk, device=k.device) < cu_k[-1])[:, None, None]
     kp = torch.where(real_k, permute_rows(k.flatten(0, 1), order_k, inverse_k), 0)
     vp = torch.where(real_k, permute_rows(v.flatten(0, 1), order_k, inverse_k), 0)
@@ -552,10 +554,9 @@ def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[
         if r.impl.NAME != chosen:
             raise InGraphDeclined(f"backend {r.impl.NAME!r} runs this call, not {chosen!r}")
         layout = static_layout_of(plan)
-        if layout is None:
-            raise InGraphDeclined("the mask is not a padding mask (one segment per batch element)")
-        if queries_alike and not plan.q_identity:
-            raise InGraphDeclined("some query rows attend no key")
+        if layout is None:  # (with it, a mask broadcast over the queries keeps every query: queries_alike)
+            raise InGraphDeclined("the mask is not one segment per batch element (a batch element with no "
+                                  "valid key, several segments in a row)")
         _stats.record_backend(chosen)
         return layout.clone()
 

@@ -157,6 +157,9 @@ class Scope:
         self.given: dict[str, torch.Tensor] = {}
         # The mask handed back to checkpointed blocks that diffusers calls without it.
         self.checkpoint_mask: torch.Tensor | None = None
+        # id(compiled block) -> whether its attention ran in the graph in this forward
+        # (model._Boundary): its checkpoint recomputation takes the same route.
+        self.routes: dict[int, bool] = {}
 
     def add_root(self, name: str, t: torch.Tensor, given: torch.Tensor | None = None) -> None:
         """A mask input of the model: the start of every derivation. ``t`` is what the forward

@@ -155,9 +155,10 @@ class Backend:
     def traced_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
                        scale: float) -> torch.Tensor:
-        """Packed attention on a static plan's rows (:attr:`VarlenPlan.static`: rows past
-        ``cu_seqlens[-1]`` are read by no segment, and their output may hold anything), with
-        autograd, in tensor ops ``torch.compile`` traces. Only for ``TRACEABLE`` backends."""
+        """Packed attention on rows in the static layout (one segment per batch element, then
+        rows past ``cu_seqlens[-1]`` that no segment reads; their output and gradients may hold
+        anything), with autograd, in ops ``torch.compile`` traces. Only for ``TRACEABLE``
+        backends."""
         raise NotImplementedError(f"backend {self.NAME!r} cannot be traced")
 
     def forward_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan,
