@@ -20,7 +20,6 @@ from hypothesis import strategies as st
 
 import kernels_ref
 import varlen_attn as va
-from varlen_attn.pack import permute_rows
 from _testing import IN_GRAPH_OP, Recording, assert_model_close
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "unwritten_rows")  # conftest.py, below
@@ -252,22 +251,13 @@ def test_the_dense_oracle_equals_the_looping_oracle(lens_q, lens_k, spare_q, spa
         assert torch.equal(got[rows:], torch.zeros_like(got[rows:]))
 
 
-def test_permuted_rows_differentiate_exactly():
-    order = torch.randperm(7, generator=torch.Generator().manual_seed(0))
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(7))
-    x = torch.randn(7, 3, dtype=torch.float64, requires_grad=True)
-    assert torch.equal(permute_rows(x, order, inverse), x[order])
-    torch.autograd.gradcheck(lambda x: permute_rows(x, order, inverse), (x,))
-    torch.autograd.gradgradcheck(lambda x: permute_rows(x, order, inverse), (x,))
-
-
 def test_in_graph_plan_op_passes_opcheck():
     """torch.library.opcheck on the plan op: schema, fake implementation, equal outputs eagerly
     and under AOTDispatcher (its layout, a copy of the plan's, depends only on the mask)."""
     keep = torch.arange(S)[None] < torch.tensor([5, 12, 1])[:, None]
     q, k, v = (torch.randn(B, S, H, D, dtype=torch.float64) for _ in range(3))
     torch.library.opcheck(va.op.in_graph_plan_op, (q, k, v, keep, [], "", None, False, "reference", "reference",
-                                                   False, "model", "bool", False, True))
+                                                   False, "model", "bool", False))
 
 
 def test_a_recomputation_takes_its_forwards_route_when_a_later_forward_declined():

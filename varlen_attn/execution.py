@@ -62,6 +62,11 @@ def mask4_of(mask: torch.Tensor | None, q, k, convention: str) -> torch.Tensor |
                           seqlen_k=k.shape[1], convention=convention)
 
 
+def kernel_scale(q, opts: Options) -> float:
+    """The softmax scale a varlen kernel gets: the caller's, else SDPA's default."""
+    return q.shape[-1] ** -0.5 if opts.scale is None else float(opts.scale)
+
+
 def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Options, policy) -> Route:
     """Decide where a call goes. ``plan`` None means there is no mask. Raises where the policy
     cannot be honoured: ``strict`` with an unpackable mask, an explicit varlen backend that
@@ -83,7 +88,7 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
         return Route(None)
     if q.device != plan.device:
         raise InputValueError(f"plan was built on {plan.device}, query is on {q.device}")
-    scale = q.shape[-1] ** -0.5 if opts.scale is None else float(opts.scale)
+    scale = kernel_scale(q, opts)
     impl = _select(q, k, v, plan, scale, opts, name)
     fused = impl.NATIVE_BACKWARD and plan.total_q > 0 and not opts.dropout_p
     return Route(impl, None, scale, fused)

@@ -28,7 +28,7 @@ import torch
 from . import _stats
 from ._errors import InputTypeError, describe
 from .hook import TrackedMask, VarlenHook, active, hidden, hidden_scope, hooked, plain, tracked
-from .op import InGraphDeclined, refuse_unsupported_compile
+from .op import InGraphDeclined, fullgraph_traced, refuse_unsupported_compile
 from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
@@ -461,11 +461,11 @@ class _Boundary:
         route = forward.in_graph if scope is None else scope.routes.setdefault(id(self.block), forward.in_graph)
         if route != forward.in_graph:  # a recomputation whose forward ran before the flag went off
             with _route_lock:
-                forward.in_graph = route
+                previous, forward.in_graph = forward.in_graph, route
                 try:
                     return self._attempt(args, kwargs)
                 finally:
-                    forward.in_graph = False
+                    forward.in_graph = previous
         if not route:
             return self._attempt(args, kwargs)
         rng = _rng_state()
@@ -514,14 +514,7 @@ _route_lock = threading.RLock()
 def _traced_for_the_boundary() -> bool:
     """Dynamo is tracing a compiled block that a _Boundary called (not a whole model compiled
     around it), with ``fullgraph=True``: a decline then comes before anything ran."""
-    if not getattr(_boundary, "depth", 0):
-        return False
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        return bool(InstructionTranslator.current_tx().one_graph)
-    except Exception:  # noqa: BLE001 - another torch: the general route
-        return False
+    return bool(getattr(_boundary, "depth", 0)) and fullgraph_traced()
 
 
 def _rng_state():

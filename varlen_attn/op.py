@@ -40,9 +40,9 @@ from ._errors import BackendUnavailableError, InputValueError, VarlenAttnError
 from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, select
 from .kernels._base import compiled_graph
-from .pack import permute_rows
+from .pack import gather_rows, scatter_rows
 from .plan import (REASONS, STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool,
-                   refuse_nan_inf, static_layout_of, static_plan_of, static_plan_tensors_of)
+                   refuse_nan_inf, static_layout_of, static_plan_of, static_plan_tensors_of, static_sides)
 from .scope import Policy, current_scope, float_mask_read_as_bool, mask_info, resolve_plan, traced_signature
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
@@ -276,7 +276,7 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
     if q.device.type in CAPTURED_DEVICES and _cuda_graphs_traced():
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
-        scale = q.shape[-1] ** -0.5 if opts.scale is None else float(opts.scale)
+        scale = execution.kernel_scale(q, opts)
         chosen = _traceable_backend(policy.backend, q.dtype, q.device.type, q.device.index, q.shape[2], k.shape[2],
                                     q.shape[-1], v.shape[-1], scale)
         if chosen:
@@ -310,12 +310,8 @@ CAPTURED_DEVICES = frozenset({"cuda"})
 def _cuda_graphs_traced() -> bool:
     """The graph dynamo is tracing will be compiled with CUDA graphs: the compile's inductor
     options (``mode="reduce-overhead"``) or inductor's global config say so."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        backend = InstructionTranslator.current_tx().output.compiler_fn
-    except Exception:  # noqa: BLE001 - not tracing, or another torch: the fake refuses (above)
-        backend = None
+    tx = _tracer()
+    backend = None if tx is None else tx.output.compiler_fn
     seen = 0
     while backend is not None and seen < 12:  # wrappers: dynamo's debug wrapper, DDP's optimizer
         options = getattr(backend, "config", None)
@@ -324,6 +320,22 @@ def _cuda_graphs_traced() -> bool:
         backend = next((w for w in (getattr(backend, a, None) for a in _WRAPPED) if w is not None), None)
         seen += 1
     return _cuda_graphs_requested()  # no option of this compile says: inductor's global config
+
+
+def _tracer():
+    """The translator of the frame dynamo is tracing, or None (not tracing, another torch)."""
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        return InstructionTranslator.current_tx()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def fullgraph_traced() -> bool:
+    """Dynamo is tracing with ``fullgraph=True`` (read while tracing)."""
+    tx = _tracer()
+    return bool(tx is not None and tx.one_graph)
 
 
 # Where a compiler wrapper keeps what it wraps: functools-style, dynamo's WrapBackendDebug,
@@ -507,7 +519,7 @@ def _traceable_backend(backend: str, dtype, device_type: str, device_index, hq: 
         impl = select(VarlenInputs(q, k, v, probe, scale), backend)
     except BackendUnavailableError:
         return ""  # the general route says why, where it matters
-    return impl.NAME if impl.TRACEABLE and impl.STATIC_PLANS else ""
+    return impl.NAME if impl.TRACEABLE else ""
 
 
 def _in_graph_attention(q, k, v, mask: Tensor, chosen: str, scale: float, *, convention: str, opts: Options,
@@ -515,37 +527,32 @@ def _in_graph_attention(q, k, v, mask: Tensor, chosen: str, scale: float, *, con
     """The in-graph route (see above): padded ``[B, S, H, D]`` in and out."""
     roots, derivation = traced_signature(mask)
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+    layout = in_graph_plan_op(q, k, v, mask, roots, derivation, None if opts.scale is None else float(opts.scale),
+                              bool(opts.gqa), chosen, policy.backend, policy.strict, convention, policy.float_mask,
+                              policy.model)
+    (order_q, inverse_q, cu_q, padding_q), k_side = static_sides(layout, batch=b, seqlen_q=sq, seqlen_k=sk)
+    # The gathers and scatters of pack, with the static layout's padding: rows past the last
+    # segment hold what the kernel leaves there, and the scatters fill their padded positions,
+    # going out and (the gathers' backward) coming back, with zeros.
+    kp, vp = (gather_rows(t.flatten(0, 1), *k_side[:2], k_side[3]) for t in (k, v))
     # A mask broadcast over the queries (key padding, cross-attention) gives every query of an
     # element the same keys: where the static layout holds it (every element has a key) every
     # query is valid and keeps its place.
-    queries_alike = execution.mask4_of(mask, q, k, convention).shape[2] == 1
-    layout = in_graph_plan_op(q, k, v, mask, roots, derivation, None if opts.scale is None else float(opts.scale),
-                              bool(opts.gqa), chosen, policy.backend, policy.strict, convention, policy.float_mask,
-                              policy.model, queries_alike)
-    order_q, inverse_q, cu_q, order_k, inverse_k, cu_k = torch.split(layout, [b * sq, b * sq, b + 1, b * sk, b * sk, b + 1])
-    cu_q, cu_k = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    # Rows past the last segment are padding: the where's backward zeroes their gradients (which
-    # the kernel leaves unwritten); coming out, they are zeros, as SDPA gives.
-    real_k = (torch.arange(b * sk, device=k.device) < cu_k[-1])[:, None, None]
-    kp = torch.where(real_k, permute_rows(k.flatten(0, 1), order_k, inverse_k), 0)
-    vp = torch.where(real_k, permute_rows(v.flatten(0, 1), order_k, inverse_k), 0)
-    if queries_alike:
-        out = BACKENDS[chosen].traced_forward(q.flatten(0, 1), kp, vp, cu_q, cu_k, sq, sk, scale)
+    if execution.mask4_of(mask, q, k, convention).shape[2] == 1:
+        out = BACKENDS[chosen].traced_forward(q.flatten(0, 1), kp, vp, cu_q, k_side[2], sq, sk, scale)
     else:
-        real_q = (torch.arange(b * sq, device=q.device) < cu_q[-1])[:, None, None]
-        qp = torch.where(real_q, permute_rows(q.flatten(0, 1), order_q, inverse_q), 0)
-        out = BACKENDS[chosen].traced_forward(qp, kp, vp, cu_q, cu_k, sq, sk, scale)
-        out = torch.where((inverse_q >= cu_q[-1])[:, None, None], 0, permute_rows(out, inverse_q, order_q))
+        qp = gather_rows(q.flatten(0, 1), order_q, inverse_q, padding_q)
+        out = BACKENDS[chosen].traced_forward(qp, kp, vp, cu_q, k_side[2], sq, sk, scale)
+        out = scatter_rows(out, order_q, b * sq, inverse_q, padding_q)
     return out.view(b, sq, q.shape[2], v.shape[-1])
 
 
 @torch.library.custom_op("varlen_attn::in_graph_plan", mutates_args=(), tags=_NOT_CAPTURABLE)
 def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[Tensor], derivation: str,
                      scale: Optional[float], gqa: bool, chosen: str, backend: str, strict: bool, convention: str,
-                     float_mask: str, model: bool, queries_alike: bool) -> Tensor:
-    """The call's plan in the static layout, for the in-graph route running backend ``chosen``
-    (with ``queries_alike``, on the queries as they are); raises :class:`InGraphDeclined` where
-    that route cannot run it (see above)."""
+                     float_mask: str, model: bool) -> Tensor:
+    """The call's plan in the static layout, for the in-graph route running backend ``chosen``;
+    raises :class:`InGraphDeclined` where that route cannot run it (see above)."""
     with torch._C.DisableTorchFunction():
         plan, r, _, _ = _forward_state(q, k, v, mask, None, roots, derivation, scale, False, gqa, backend, strict,
                                        convention, float_mask, model, current_scope())
@@ -554,7 +561,7 @@ def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[
         if r.impl.NAME != chosen:
             raise InGraphDeclined(f"backend {r.impl.NAME!r} runs this call, not {chosen!r}")
         layout = static_layout_of(plan)
-        if layout is None:  # (with it, a mask broadcast over the queries keeps every query: queries_alike)
+        if layout is None:
             raise InGraphDeclined("the mask is not one segment per batch element (a batch element with no "
                                   "valid key, several segments in a row)")
         _stats.record_backend(chosen)
@@ -562,7 +569,6 @@ def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[
 
 
 @in_graph_plan_op.register_fake
-def _(q, k, v, mask, roots, derivation, scale, gqa, chosen, backend, strict, convention, float_mask, model,
-      queries_alike):
+def _(q, k, v, mask, roots, derivation, scale, gqa, chosen, backend, strict, convention, float_mask, model):
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     return q.new_empty((2 * b * sq + 2 * b * sk + 2 * (b + 1),), dtype=torch.int64)

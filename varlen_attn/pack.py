@@ -76,27 +76,6 @@ class _PackQKV(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-class _Permute(torch.autograd.Function):
-    """``x[perm]`` along dim 0 for a permutation ``perm`` of its rows with inverse ``inv``: the
-    gradient is ``grad[inv]``, a gather (``index_select``'s own backward is a zero fill plus an
-    ``index_add``). Traced by ``torch.compile`` as it is (the in-graph route of varlen_attn.op)."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inv):
-        ctx.save_for_backward(perm, inv)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        perm, inv = ctx.saved_tensors
-        return _Permute.apply(grad, inv, perm), None, None
-
-
-def permute_rows(x: torch.Tensor, perm: torch.Tensor, inv: torch.Tensor) -> torch.Tensor:
-    """``x[perm]`` for a permutation of ``x``'s rows whose inverse is ``inv``, exact autograd."""
-    return _Permute.apply(x, perm, inv)
-
-
 def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan):
     """``(pack(q, plan, "q"), pack(k, plan, "k"), pack(v, plan, "k"))`` in one autograd node.
     The backward is first-order only (use :func:`pack` for higher-order gradients)."""

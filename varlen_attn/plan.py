@@ -435,22 +435,25 @@ def static_plan_tensors_of(mask4: torch.Tensor, *, batch: int, seqlen_q: int, se
     return torch.cat([*_static_side(valid_q), *_static_side(valid_k)]), problems
 
 
-def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int) -> VarlenPlan:
-    """The static plan whose tensors :func:`static_plan_tensors_of` put in one int64 vector."""
+def static_sides(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int):
+    """The one int64 vector of :func:`static_plan_tensors_of` (or :func:`static_layout_of`) as
+    ``(order, inverse, cu_seqlens int32, padding)`` of the queries, then of the keys: a padded
+    position is padding where its packed row lies past the last segment. Tensor ops only, no host
+    read (what the in-graph route of varlen_attn.op traces)."""
     rq, rk = batch * seqlen_q, batch * seqlen_k
     pq, iq, cq, pk, ik, ck = torch.split(tensors, [rq, rq, batch + 1, rk, rk, batch + 1])
-    return _static_plan(batch, seqlen_q, seqlen_k, pq, iq, cq.to(torch.int32), pk, ik, ck.to(torch.int32))
+    cq, ck = cq.to(torch.int32), ck.to(torch.int32)
+    return (pq, iq, cq, iq >= cq[-1]), (pk, ik, ck, ik >= ck[-1])
 
 
-def _static_plan(batch, sq, sk, perm_q, inv_q, cu_q, perm_k, inv_k, cu_k) -> VarlenPlan:
-    """The static plan of these orders; a padded position is padding where its packed row lies
-    past the last segment (no host read)."""
+def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int) -> VarlenPlan:
+    """The static plan whose tensors :func:`static_plan_tensors_of` put in one int64 vector."""
+    (pq, iq, cq, padq), (pk, ik, ck, padk) = static_sides(tensors, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
     return VarlenPlan(
-        batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=True, device=perm_q.device,
-        cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, indices_q=perm_q, indices_k=perm_k,
-        max_seqlen_q=sq, max_seqlen_k=sk, total_q=batch * sq, total_k=batch * sk,
-        inverse_q=inv_q, inverse_k=inv_k, padding_q=inv_q >= cu_q[-1], padding_k=inv_k >= cu_k[-1],
-        static=True,
+        batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, packable=True, device=pq.device,
+        cu_seqlens_q=cq, cu_seqlens_k=ck, indices_q=pq, indices_k=pk,
+        max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, total_q=batch * seqlen_q, total_k=batch * seqlen_k,
+        inverse_q=iq, inverse_k=ik, padding_q=padq, padding_k=padk, static=True,
     )
 
 

@@ -95,11 +95,9 @@ class TorchVarlenBackend(Backend):
         and no recomputed forward in the compiled backward."""
         return _entry_points() is not None
 
-    @property
-    def TRACEABLE(self) -> bool:  # noqa: N802
-        """The aten forward is an op dynamo traces and autograd differentiates (its backward is
-        the aten backward): a compiled block holds the kernel itself."""
-        return _entry_points() is not None
+    # The aten forward is an op dynamo traces and autograd differentiates (into the aten
+    # backward): reachable exactly when NATIVE_BACKWARD's entry points are.
+    TRACEABLE = NATIVE_BACKWARD
 
     def traced_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale):
         # The op named directly (dynamo traces an op, not _entry_points' import); TRACEABLE said it exists.
