@@ -330,3 +330,82 @@ def test_an_invalid_in_graph_leaves_an_enabled_model_enabled():
     with pytest.raises(va.InputTypeError, match="in_graph must be a bool, got str"):
         va.enable_varlen(model, in_graph="no")
     assert model._varlen_state is not None
+
+
+class _OwnEntryPoints(va.kernels.Backend):
+    """A CPU backend shaped as FA4 is: its kernel's own forward and backward entry points
+    (``NATIVE_BACKWARD``) and no form dynamo traces, so the in-graph route calls it through the
+    opaque op ``varlen_attn::native_kernel``. It computes with the dense oracle and, as the GPU
+    kernel leaves them unwritten, puts NaN in the rows past the last segment: in its output and
+    in its gradients."""
+
+    NAME = "own_entry_points"
+    NATIVE_BACKWARD = True
+    STATIC_PLANS = True
+
+    @staticmethod
+    def _past(t, cu):
+        return (torch.arange(t.shape[0]) >= cu[-1])[:, None, None]
+
+    def forward_lse(self, inp):
+        p = inp.plan
+        out = kernels_ref.varlen_attention_dense(inp.q, inp.k, inp.v, p.cu_seqlens_q, p.cu_seqlens_k, inp.scale)
+        lse = torch.full((inp.q.shape[1], inp.q.shape[0]), float("nan"), dtype=torch.float32)  # unread here
+        return out.masked_fill(self._past(out, p.cu_seqlens_q), float("nan")), lse
+
+    def backward(self, inp, out, lse, dout):
+        p = inp.plan
+        q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
+        with va.op._autograd_dispatch(), torch.enable_grad():  # autograd, below which a custom op runs
+            o = kernels_ref.varlen_attention_dense(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, inp.scale)
+            grads = torch.autograd.grad(o, (q, k, v), dout.masked_fill(self._past(dout, p.cu_seqlens_q), 0))
+        return tuple(g.masked_fill(self._past(g, cu), float("nan"))
+                     for g, cu in zip(grads, (p.cu_seqlens_q, p.cu_seqlens_k, p.cu_seqlens_k)))
+
+
+NATIVE_KERNEL_OP = "varlen_attn.native_kernel.default"
+
+
+@pytest.fixture
+def own_entry_points(monkeypatch):
+    monkeypatch.setitem(va.kernels.BACKENDS, _OwnEntryPoints.NAME, _OwnEntryPoints())
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_a_kernel_with_its_own_backward_runs_in_the_graph_through_its_op(checkpointing, own_entry_points):
+    """A backend whose kernel does not trace but has its own forward and backward (FA4) takes the
+    in-graph route too: the plan op, the gathers and scatters in the graph, its kernel in the
+    opaque op; equal to stock on both mask kinds, and a batch element with no key sends the
+    block to the general route, equal to stock as well."""
+    kinds = ["padding", "keys"]
+    stock = _Model(kinds, checkpointing)
+    model = va.enable_varlen(_Model(kinds, checkpointing), backend=_OwnEntryPoints.NAME)
+    backend = Recording()
+    for block in model.blocks:
+        block.compile(fullgraph=True, backend=backend)
+    for i, (lengths, image) in enumerate([((3, 6, 1), N), ((0, 2, 5), N), ((2, 0, 4), 0)]):
+        va.reset_stats()
+        got = _out_and_grads(model, _x(i), _mask(lengths, image))
+        assert_model_close(got, _out_and_grads(stock, _x(i), _mask(lengths, image)), what=f"{lengths} {image}")
+        assert all(block.forward.in_graph == (image > 0) for block in model.blocks)
+        assert va.stats()["backends"] == {_OwnEntryPoints.NAME: len(kinds) * (2 if checkpointing else 1)}
+    assert IN_GRAPH_OP in backend.graphs[0] and NATIVE_KERNEL_OP in backend.graphs[0], backend.graphs[0]
+
+
+def test_native_kernel_op_passes_opcheck(own_entry_points):
+    """torch.library.opcheck on the kernel op: schema, fake implementation, autograd registration
+    (its backward the backend's own), equal outputs eagerly and under AOTDispatcher."""
+    keep = torch.arange(S)[None] < torch.tensor([5, 12, 1])[:, None]
+    plan = va.build_plan(keep)
+    layout = va.plan.static_layout_of(plan)
+    (order, _, cu, _), _ = va.plan.static_sides(layout, batch=B, seqlen_q=S, seqlen_k=S)
+    q, k, v = (torch.randn(B * S, H, D, dtype=torch.float64)[order].requires_grad_() for _ in range(3))
+    total = int(cu[-1])
+    q, k, v = (torch.cat([t[:total], t.new_zeros(B * S - total, H, D)]).detach().requires_grad_() for t in (q, k, v))
+    with pytest.MonkeyPatch.context() as m:  # opcheck compares outputs: no NaN rows here
+        m.setattr(_OwnEntryPoints, "_past", staticmethod(lambda t, cu: torch.zeros(t.shape[0], 1, 1, dtype=torch.bool)))
+        m.setattr(_OwnEntryPoints, "forward_lse",
+                  lambda self, inp: (kernels_ref.varlen_attention_dense(inp.q, inp.k, inp.v, inp.plan.cu_seqlens_q,
+                                                                        inp.plan.cu_seqlens_k, inp.scale),
+                                     torch.zeros(H, B * S, dtype=torch.float32)))
+        torch.library.opcheck(va.op.native_kernel_op, (q, k, v, cu, cu, S, S, D ** -0.5, _OwnEntryPoints.NAME))

@@ -519,7 +519,19 @@ def _traceable_backend(backend: str, dtype, device_type: str, device_index, hq: 
         impl = select(VarlenInputs(q, k, v, probe, scale), backend)
     except BackendUnavailableError:
         return ""  # the general route says why, where it matters
-    return impl.NAME if impl.TRACEABLE else ""
+    return impl.NAME if impl.TRACEABLE or impl.NATIVE_BACKWARD else ""
+
+
+def _traced_kernel(name: str):
+    """How the in-graph route calls backend ``name``'s kernel on packed rows in the static layout:
+    traced itself where it traces (``TRACEABLE``: ``torch``'s aten forward), else, for a kernel
+    with its own forward and backward entry points (``NATIVE_BACKWARD``: FA4, whose Python
+    interface dynamo cannot trace), through the opaque op :func:`native_kernel_op` below."""
+    impl = BACKENDS[name]
+    if impl.TRACEABLE:
+        return impl.traced_forward
+    return lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: native_kernel_op(q, k, v, cu_q, cu_k, max_q, max_k,
+                                                                             scale, name)[0]
 
 
 def _in_graph_attention(q, k, v, mask: Tensor, chosen: str, scale: float, *, convention: str, opts: Options,
@@ -535,14 +547,15 @@ def _in_graph_attention(q, k, v, mask: Tensor, chosen: str, scale: float, *, con
     # segment hold what the kernel leaves there, and the scatters fill their padded positions,
     # going out and (the gathers' backward) coming back, with zeros.
     kp, vp = (gather_rows(t.flatten(0, 1), *k_side[:2], k_side[3]) for t in (k, v))
+    kernel = _traced_kernel(chosen)
     # A mask broadcast over the queries (key padding, cross-attention) gives every query of an
     # element the same keys: where the static layout holds it (every element has a key) every
     # query is valid and keeps its place.
     if execution.mask4_of(mask, q, k, convention).shape[2] == 1:
-        out = BACKENDS[chosen].traced_forward(q.flatten(0, 1), kp, vp, cu_q, k_side[2], sq, sk, scale)
+        out = kernel(q.flatten(0, 1), kp, vp, cu_q, k_side[2], sq, sk, scale)
     else:
         qp = gather_rows(q.flatten(0, 1), order_q, inverse_q, padding_q)
-        out = BACKENDS[chosen].traced_forward(qp, kp, vp, cu_q, k_side[2], sq, sk, scale)
+        out = kernel(qp, kp, vp, cu_q, k_side[2], sq, sk, scale)
         out = scatter_rows(out, order_q, b * sq, inverse_q, padding_q)
     return out.view(b, sq, q.shape[2], v.shape[-1])
 
@@ -572,3 +585,64 @@ def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[
 def _(q, k, v, mask, roots, derivation, scale, gqa, chosen, backend, strict, convention, float_mask, model):
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
     return q.new_empty((2 * b * sq + 2 * b * sk + 2 * (b + 1),), dtype=torch.int64)
+
+
+# The kernel of a backend whose interface dynamo cannot trace but which has its own forward and
+# backward entry points (NATIVE_BACKWARD: FA4), as an opaque op of the in-graph route: packed rows
+# in the static layout in (rows past ``cu_seqlens[-1]`` read by no segment, and their output and
+# gradients left as the kernel leaves them: the route's scatters drop them), ``(out, lse)`` out,
+# and the kernel's own backward as its gradient. Nothing here reads the host: shapes and bounds
+# are the static layout's.
+
+
+def _static_inputs(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> VarlenInputs:
+    plan = VarlenPlan(batch_size=cu_q.shape[0] - 1, seqlen_q=max_q, seqlen_k=max_k, packable=True, device=q.device,
+                      cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                      total_q=q.shape[0], total_k=k.shape[0], static=True)
+    return VarlenInputs(q, k, v, plan, scale)
+
+
+@torch.library.custom_op("varlen_attn::native_kernel", mutates_args=())
+def native_kernel_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int,
+                     max_seqlen_k: int, scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    """Packed ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]`` -> ``(out [Tq, Hq, Dv], lse [Hq, Tq] float32)``
+    by backend ``backend``'s own forward."""
+    with torch._C.DisableTorchFunction():
+        out, lse = BACKENDS[backend].forward_lse(_static_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                max_seqlen_k, scale))
+        return out.contiguous(), lse.float().contiguous()
+
+
+@native_kernel_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, backend):
+    return q.new_empty((*q.shape[:2], v.shape[-1])), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("varlen_attn::native_kernel_backward", mutates_args=())
+def native_kernel_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                              scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv)`` of :func:`native_kernel_op` by the backend's own backward."""
+    with torch._C.DisableTorchFunction():
+        inp = _static_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale)
+        return _contiguous(BACKENDS[backend].backward(inp, out, lse, dout))
+
+
+@native_kernel_backward_op.register_fake
+def _(dout, q, k, v, out, lse, *layout_and_constants):
+    return _contiguous_like(q, k, v)
+
+
+def _native_kernel_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, *constants = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_q, cu_k)
+    ctx.constants = constants  # max_seqlen_q, max_seqlen_k, scale, backend
+
+
+def _native_kernel_backward(ctx, dout, _dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = native_kernel_backward_op(dout.contiguous(), q, k, v, out, lse, cu_q, cu_k, *ctx.constants)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+native_kernel_op.register_autograd(_native_kernel_backward, setup_context=_native_kernel_setup)
