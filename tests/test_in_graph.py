@@ -409,3 +409,16 @@ def test_native_kernel_op_passes_opcheck(own_entry_points):
                                                                         inp.plan.cu_seqlens_k, inp.scale),
                                      torch.zeros(H, B * S, dtype=torch.float32)))
         torch.library.opcheck(va.op.native_kernel_op, (q, k, v, cu, cu, S, S, D ** -0.5, _OwnEntryPoints.NAME))
+
+
+@pytest.mark.parametrize("name", sorted(va.kernels.BACKENDS))
+def test_the_routes_choice_of_kernel_is_a_constant_while_tracing(name):
+    """Which way the route calls a backend's kernel is decided while tracing without tracing the
+    capability itself (``torch``'s reads its entry points through an import dynamo cannot trace),
+    for every backend, installed on this machine or not."""
+    def f(x):
+        va.op._traced_kernel(name)
+        return x + 1
+
+    x = torch.zeros(2)
+    assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x), x + 1)

@@ -522,14 +522,18 @@ def _traceable_backend(backend: str, dtype, device_type: str, device_index, hq: 
     return impl.NAME if impl.TRACEABLE or impl.NATIVE_BACKWARD else ""
 
 
+@torch._dynamo.assume_constant_result  # a capability (torch's reads its entry points), not traced
+def _kernel_traces(name: str) -> bool:
+    return bool(BACKENDS[name].TRACEABLE)
+
+
 def _traced_kernel(name: str):
     """How the in-graph route calls backend ``name``'s kernel on packed rows in the static layout:
     traced itself where it traces (``TRACEABLE``: ``torch``'s aten forward), else, for a kernel
     with its own forward and backward entry points (``NATIVE_BACKWARD``: FA4, whose Python
     interface dynamo cannot trace), through the opaque op :func:`native_kernel_op` below."""
-    impl = BACKENDS[name]
-    if impl.TRACEABLE:
-        return impl.traced_forward
+    if _kernel_traces(name):
+        return BACKENDS[name].traced_forward
     return lambda q, k, v, cu_q, cu_k, max_q, max_k, scale: native_kernel_op(q, k, v, cu_q, cu_k, max_q, max_k,
                                                                              scale, name)[0]
 
