@@ -2,12 +2,14 @@
 block), gradient checkpointing, the float-mask policy, plan lifetime, threads, processors."""
 
 import gc
+import inspect
 import logging
 import threading
 
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import varlen_attn as va
 from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
@@ -101,6 +103,71 @@ def test_gradient_checkpointing_keeps_the_mask_and_the_plan(stock):
     # opt-out: stock behaviour
     assert_model_close(step(model, inputs), stock_ckpt, what="chroma/checkpointing, opt-out")
     va.disable_varlen(model)
+
+
+class _Checkpointed:
+    """A block's ``forward`` checkpointed by the caller with ``torch.utils.checkpoint`` itself, not
+    through diffusers' ``_gradient_checkpointing_func`` (OneTrainer wraps its blocks this way);
+    arguments by position, which a reentrant checkpoint needs to differentiate them."""
+
+    def __init__(self, forward, use_reentrant):
+        self.forward, self.use_reentrant = forward, use_reentrant
+
+    def __call__(self, *args, **kwargs):
+        forward = getattr(self.forward, "forward", self.forward)  # a module: its forward's signature
+        bound = inspect.signature(forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return torch.utils.checkpoint.checkpoint(self.forward, *bound.args, use_reentrant=self.use_reentrant)
+
+
+class _CheckpointedModule(torch.nn.Module):
+    """A block replaced by a module that checkpoints it (the block may be compiled itself)."""
+
+    def __init__(self, block, use_reentrant):
+        super().__init__()
+        self.block, self.call = block, _Checkpointed(block, use_reentrant)
+
+    def forward(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+
+def _checkpoint_blocks(model, use_reentrant=False, compiled=None):
+    """Every block checkpointed by the caller: its forward wrapped (``compiled`` None), or the
+    block replaced by a module that checkpoints it, the block compiled (``compiled`` True: the
+    checkpoint around the compiled call) or not (False: the stock of that case)."""
+    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+        for i, block in enumerate(blocks):
+            if compiled is None:
+                block.forward = _Checkpointed(block.forward, use_reentrant)
+                continue
+            if compiled:
+                block.compile(fullgraph=True, backend="aot_eager")
+            blocks[i] = _CheckpointedModule(block, use_reentrant)
+    return model
+
+
+@pytest.mark.parametrize("use_reentrant,compiled,backend", [(False, None, "auto"), (True, None, "auto"),
+                                                             (False, True, "auto"), (False, True, "reference")])
+def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, backend):
+    """Blocks the caller checkpoints with torch.utils.checkpoint directly (eagerly, or around
+    compiled blocks): the recomputation, which runs in backward outside the forward, re-enters
+    the forward's scope (non-reentrant: through the checkpoint's own frame), so it takes the
+    forward's plan and kernels and torch's checkpoint finds the same tensors saved; steps with
+    a new mask each, the first tracked by the mode and the later by tracked masks, equal
+    stock checkpointed the same way, one plan and one host read each. A reentrant checkpoint
+    recomputes outside the scope on stock SDPA (it compares nothing), with equal results.
+    Compiled blocks on both routes: the custom op (auto) and attention in the graph
+    (``reference``, whose dense form traces)."""
+    stock = _checkpoint_blocks(tiny_chroma(), use_reentrant, None if compiled is None else False)
+    model = va.enable_varlen(_checkpoint_blocks(tiny_chroma(), use_reentrant, compiled), backend=backend)
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2)]):
+        va.reset_stats()
+        got = step(model, chroma_inputs(lengths, seed=i))
+        st = va.stats()
+        assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
+        assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and not st["fallbacks"], (lengths, st)
+        calls = CHROMA_ATTN_LAYERS * (1 if use_reentrant else 2)
+        assert sum(st["backends"].values()) == calls, (lengths, st)
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])

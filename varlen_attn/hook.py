@@ -135,6 +135,7 @@ class VarlenHook(TorchFunctionMode):
             if (mask is not None and self.scope.tracking == scopes.MODE and self.scope.entered_late()
                     and _plain_key(self.scope.key_of(mask))):
                 self.scope.late = True  # an attention mask only the mode would route
+            adopt_checkpoint(self.scope)
             with torch._C.DisableTorchFunctionSubclass():  # a tracked mask is plain in here
                 return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy)
         if torch.compiler.is_compiling():
@@ -180,6 +181,7 @@ class TrackedMask(torch.Tensor):
                     or getattr(func, "__name__", "") == "__get__"):  # attributes: .shape, .dtype
                 return func(*args, **kwargs)
             if func is F.scaled_dot_product_attention:
+                adopt_checkpoint(scope)
                 return sdpa_with_policy(*args, **kwargs, policy=scope.policy)
             return _track(scope, func, args, kwargs, True)
 
@@ -275,3 +277,55 @@ class active:  # noqa: N801 - a context manager
         if self.mode is not None:
             self.mode.__exit__(*exc)
         return False
+
+
+# --- Checkpoints the model did not wrap ---------------------------------------------------------
+# A model (or a trainer: OneTrainer wraps blocks this way) may call torch.utils.checkpoint itself,
+# not through diffusers' ``_gradient_checkpointing_func`` that enable_varlen wraps. Its
+# recomputation runs in backward, outside the forward's scope: attention there would run stock
+# SDPA where the forward ran varlen, and torch's checkpoint stops ("A different number of tensors
+# was saved"). So the first attention call (or compiled block) inside such a checkpoint's forward
+# makes its recomputation re-enter the forward's scope, as varlen_attn.model._Checkpoint does:
+# same plans, no rebuild, same kernels. torch's non-reentrant checkpoint keeps the recomputation
+# in its frame (``_CheckpointFrame.recompute_fn``), which the innermost saved-tensor hooks (its
+# ``_checkpoint_hook``) hold while its forward runs. A reentrant checkpoint runs its forward
+# without autograd and compares nothing: its recomputation runs stock SDPA, with equal results.
+
+
+def _checkpoint_frame():
+    """The frame of the torch.utils.checkpoint (non-reentrant) whose forward this thread is
+    running inside, when its hooks are the innermost saved-tensor hooks; else None (also where
+    a torch version lays them out otherwise)."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+    if hooks is None:
+        return None
+    pack = hooks[0]
+    code = getattr(pack, "__code__", None)
+    if code is None or getattr(pack, "__qualname__", "") != "_checkpoint_hook.__init__.<locals>.pack_hook":
+        return None
+    try:
+        frame = pack.__closure__[code.co_freevars.index("frame")].cell_contents
+    except (ValueError, IndexError, TypeError, AttributeError):
+        return None
+    return frame if callable(getattr(frame, "recompute_fn", None)) else None
+
+
+class _Reentered:
+    """A checkpoint frame's recomputation, run in the scope of the forward that made it."""
+
+    def __init__(self, recompute, scope: scopes.Scope):
+        self.recompute, self.scope = recompute, scope
+
+    def __call__(self, *args, **kwargs):
+        with active(self.scope):
+            return self.recompute(*args, **kwargs)
+
+
+def adopt_checkpoint(scope: scopes.Scope) -> None:
+    """Make the recomputation of the checkpoint whose forward is running here (if any) re-enter
+    ``scope``; once per checkpoint. Eager only (no-op while dynamo traces)."""
+    if torch.compiler.is_compiling():
+        return
+    frame = _checkpoint_frame()
+    if frame is not None and not isinstance(frame.recompute_fn, _Reentered):
+        frame.recompute_fn = _Reentered(frame.recompute_fn, scope)

@@ -27,7 +27,7 @@ import torch
 
 from . import _stats
 from ._errors import InputTypeError, describe
-from .hook import TrackedMask, VarlenHook, active, hidden, hidden_scope, hooked, plain, tracked
+from .hook import TrackedMask, VarlenHook, active, adopt_checkpoint, hidden, hidden_scope, hooked, plain, tracked
 from .op import InGraphDeclined, fullgraph_traced, refuse_unsupported_compile
 from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope
 
@@ -496,6 +496,7 @@ class _Boundary:
         scope = None if torch.compiler.is_compiling() else current_scope()
         if scope is None:
             return self.inner(*args, **kwargs)
+        adopt_checkpoint(scope)  # a checkpoint the model did not wrap around this block (varlen_attn.hook)
         args = plain(args, scope)
         kwargs = {k: plain(v, scope) for k, v in kwargs.items()}
         with hidden(scope):
