@@ -350,11 +350,28 @@ class _OwnEntryPoints(va.kernels.Backend):
     def forward_lse(self, inp):
         p = inp.plan
         out = kernels_ref.varlen_attention_dense(inp.q, inp.k, inp.v, p.cu_seqlens_q, p.cu_seqlens_k, inp.scale)
-        lse = torch.full((inp.q.shape[1], inp.q.shape[0]), float("nan"), dtype=torch.float32)  # unread here
-        return out.masked_fill(self._past(out, p.cu_seqlens_q), float("nan")), lse
+        return out.masked_fill(self._past(out, p.cu_seqlens_q), float("nan")), self._lse(inp).float()
+
+    @staticmethod
+    def _lse(inp):
+        """``[Hq, Tq]`` log-sum-exp of each valid row's scores over its segment's keys (-inf past
+        the last segment)."""
+        p = inp.plan
+        rows_q, rows_k = torch.arange(inp.q.shape[0]), torch.arange(inp.k.shape[0])
+        seg_q = torch.where(rows_q < p.cu_seqlens_q[-1], torch.bucketize(rows_q, p.cu_seqlens_q[1:].long(), right=True), -1)
+        seg_k = torch.where(rows_k < p.cu_seqlens_k[-1], torch.bucketize(rows_k, p.cu_seqlens_k[1:].long(), right=True), -2)
+        scores = torch.einsum("qhd,khd->hqk", inp.q, inp.k) * inp.scale
+        return torch.logsumexp(scores.masked_fill(seg_q[:, None] != seg_k[None, :], float("-inf")), dim=-1)
 
     def backward(self, inp, out, lse, dout):
+        """The gradients by autograd through the oracle, once the output and log-sum-exp the
+        kernel op kept for its backward are checked to be this call's (the GPU kernel's backward
+        reads both)."""
         p = inp.plan
+        valid = slice(0, int(p.cu_seqlens_q[-1]))
+        ref_out, _ = self.forward_lse(inp)
+        torch.testing.assert_close(out[valid], ref_out[valid])
+        torch.testing.assert_close(lse[:, valid], self._lse(inp)[:, valid].float())
         q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
         with va.op._autograd_dispatch(), torch.enable_grad():  # autograd, below which a custom op runs
             o = kernels_ref.varlen_attention_dense(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, inp.scale)
@@ -404,10 +421,7 @@ def test_native_kernel_op_passes_opcheck(own_entry_points):
     q, k, v = (torch.cat([t[:total], t.new_zeros(B * S - total, H, D)]).detach().requires_grad_() for t in (q, k, v))
     with pytest.MonkeyPatch.context() as m:  # opcheck compares outputs: no NaN rows here
         m.setattr(_OwnEntryPoints, "_past", staticmethod(lambda t, cu: torch.zeros(t.shape[0], 1, 1, dtype=torch.bool)))
-        m.setattr(_OwnEntryPoints, "forward_lse",
-                  lambda self, inp: (kernels_ref.varlen_attention_dense(inp.q, inp.k, inp.v, inp.plan.cu_seqlens_q,
-                                                                        inp.plan.cu_seqlens_k, inp.scale),
-                                     torch.zeros(H, B * S, dtype=torch.float32)))
+        m.setattr(_OwnEntryPoints, "_lse", staticmethod(lambda inp: torch.zeros(H, B * S, dtype=torch.float64)))
         torch.library.opcheck(va.op.native_kernel_op, (q, k, v, cu, cu, S, S, D ** -0.5, _OwnEntryPoints.NAME))
 
 

@@ -170,6 +170,86 @@ def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, 
         assert sum(st["backends"].values()) == calls, (lengths, st)
 
 
+def test_a_checkpoint_around_an_enabled_forward_and_more_is_left_as_it_is():
+    """A checkpoint the caller puts around an enabled model's whole forward *and* masked
+    attention outside the model: its recomputation runs the forward again in a scope of its
+    own, and the attention outside stays stock SDPA, as in the forward (adopting that
+    checkpoint made the recomputation route it, and torch's checkpoint stopped: "Recomputed
+    values ... have different metadata"). Two steps: tracked by the mode, then by tracked masks."""
+    def run(model, inputs):
+        keep = inputs["attention_mask"][:, -inputs["hidden_states"].shape[1]:].clone()
+        keep[0, 3:] = False  # padded keys for the attention outside the model
+
+        def fn(hidden_states):
+            out = model(**{**inputs, "hidden_states": hidden_states, "return_dict": False})[0]
+            q = out.view(out.shape[0], out.shape[1], 2, 2).transpose(1, 2)
+            return F.scaled_dot_product_attention(q, q, q, attn_mask=keep[:, None, None, :])
+
+        model.zero_grad(set_to_none=True)
+        x = inputs["hidden_states"].clone().requires_grad_()
+        out = torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False)
+        out.pow(2).sum().backward()
+        return {"out": out.detach(), "grad x": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+
+    stock, model = tiny_chroma(), va.enable_varlen(tiny_chroma())
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+        va.reset_stats()
+        got = run(model, chroma_inputs(lengths, seed=i))
+        assert va.stats()["backends"] == {"split_sdpa": 2 * CHROMA_ATTN_LAYERS}, va.stats()  # forward, recomputation
+        assert_model_close(got, run(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
+
+
+def test_processors_in_a_block_the_caller_checkpoints_keep_their_own_policies():
+    """A block the caller checkpoints, whose attention modules run a ``VarlenAttnProcessor``
+    (one ``strict``; the other also given a mask it cannot pack, which it runs on masked SDPA)
+    and a stock processor, outside any enabled model: each
+    processor's recomputation runs as its forward did, on its own one-call scope (adopting the
+    first processor's scope routed the stock module's recomputation too, and ran the other
+    processor's under the first one's policy)."""
+    heads, dim, s = 2, 8, 12
+
+    class Inner:
+        def __call__(self, attn, x, mask):
+            q, k, v = attn.qkv(x).view(x.shape[0], s, 3, heads, dim).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(x.shape)
+
+    class Attn(torch.nn.Module):
+        def __init__(self, processor):
+            super().__init__()
+            self.qkv, self.processor = torch.nn.Linear(heads * dim, 3 * heads * dim, dtype=torch.float64), processor
+
+        def forward(self, x, mask):
+            return self.processor(self, x, mask)
+
+    class Block(torch.nn.Module):
+        def __init__(self, varlen):
+            super().__init__()
+            torch.manual_seed(0)
+            wrap = (lambda **kw: va.VarlenAttnProcessor(Inner(), **kw)) if varlen else (lambda **kw: Inner())
+            self.a, self.b, self.c = Attn(wrap()), Attn(Inner()), Attn(wrap(strict=True))
+
+        def forward(self, x, pad, rand):
+            x = x + self.a(x, pad)
+            x = x + self.b(x, pad)
+            return x + self.c(x, pad) + self.a(x, rand)  # rand: not packable, SDPA under a's policy
+
+    def run(block):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, s, heads * dim, generator=g, dtype=torch.float64, requires_grad=True)
+        pad = (torch.arange(s)[None] < torch.tensor([12, 5, 1])[:, None])[:, None, None, :]
+        rand = torch.rand(3, 1, s, s, generator=g) > 0.3
+        rand[..., 0] = True
+        block.zero_grad(set_to_none=True)
+        torch.utils.checkpoint.checkpoint(block, x, pad, rand, use_reentrant=False).pow(2).sum().backward()
+        return {"grad x": x.grad, **{n: p.grad for n, p in block.named_parameters()}}
+
+    va.reset_stats()
+    got = run(Block(True))
+    st = va.stats()  # a and c on the padding mask, forward and recomputation; a on the other mask: SDPA
+    assert st["backends"] == {"split_sdpa": 4, "sdpa": 2} and sum(st["fallbacks"].values()) == 2, st
+    assert_model_close(got, run(Block(False)), what="processors")
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_hooks_that_copy_saved_tensors_leave_steps_equal_to_stock(checkpointing):
     """Under saved-tensor hooks that copy what autograd saves (offloading), a checkpointed block's

@@ -292,7 +292,7 @@ class active:  # noqa: N801 - a context manager
 # without autograd and compares nothing: its recomputation runs stock SDPA, with equal results.
 
 
-def _checkpoint_frame():
+def checkpoint_frame():
     """The frame of the torch.utils.checkpoint (non-reentrant) whose forward this thread is
     running inside, when its hooks are the innermost saved-tensor hooks; else None (also where
     a torch version lays them out otherwise)."""
@@ -323,9 +323,12 @@ class _Reentered:
 
 def adopt_checkpoint(scope: scopes.Scope) -> None:
     """Make the recomputation of the checkpoint whose forward is running here (if any) re-enter
-    ``scope``; once per checkpoint. Eager only (no-op while dynamo traces)."""
-    if torch.compiler.is_compiling():
+    ``scope``; once per checkpoint. Only a checkpoint that began inside the scope's forward: not
+    one around the whole forward (``Scope.enclosing_frame``), whose recomputation holds more
+    than this scope's attention, nor for a scope that adopts none (``Scope.adopts``). Eager
+    only (no-op while dynamo traces)."""
+    if torch.compiler.is_compiling() or not scope.adopts:
         return
-    frame = _checkpoint_frame()
-    if frame is not None and not isinstance(frame.recompute_fn, _Reentered):
+    frame = checkpoint_frame()
+    if frame is not None and frame is not scope.enclosing_frame and not isinstance(frame.recompute_fn, _Reentered):
         frame.recompute_fn = _Reentered(frame.recompute_fn, scope)

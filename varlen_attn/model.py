@@ -27,7 +27,8 @@ import torch
 
 from . import _stats
 from ._errors import InputTypeError, describe
-from .hook import TrackedMask, VarlenHook, active, adopt_checkpoint, hidden, hidden_scope, hooked, plain, tracked
+from .hook import (TrackedMask, VarlenHook, active, adopt_checkpoint, checkpoint_frame, hidden, hidden_scope, hooked,
+                   plain, tracked)
 from .op import InGraphDeclined, fullgraph_traced, refuse_unsupported_compile
 from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope
 
@@ -402,6 +403,7 @@ _running_lock = threading.Lock()
 
 def _run_scoped(state: _State, orig_forward, bound, roots, names, tracking: str, calls: int):
     scope = Scope(state.policy(), tracking, watching=state.watching and names not in state.no_entry)
+    scope.enclosing_frame = checkpoint_frame()  # a checkpoint around this forward (hook.adopt_checkpoint)
     for (name, sub, given), root in zip(roots, names):
         t = given
         if tracking != MODE:

@@ -519,7 +519,9 @@ def _traceable_backend(backend: str, dtype, device_type: str, device_index, hq: 
         impl = select(VarlenInputs(q, k, v, probe, scale), backend)
     except BackendUnavailableError:
         return ""  # the general route says why, where it matters
-    return impl.NAME if impl.TRACEABLE or impl.NATIVE_BACKWARD else ""
+    # The kernel op runs packed rows in the static layout: a backend with its own entry points
+    # takes the route only where it runs static plans (reads no segment length on the host).
+    return impl.NAME if impl.TRACEABLE or (impl.NATIVE_BACKWARD and impl.STATIC_PLANS) else ""
 
 
 @torch._dynamo.assume_constant_result  # a capability (torch's reads its entry points), not traced

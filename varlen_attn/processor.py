@@ -75,7 +75,7 @@ class VarlenAttnProcessor:
     def __call__(self, attn, *args, **kwargs):
         scope = current_scope()
         if scope is None:
-            scope = Scope(Policy.of(self.backend, self.strict, "bias", model=True))
+            scope = Scope(Policy.of(self.backend, self.strict, "bias", model=True), adopts=False)
         with active(scope, mode=True):  # the processor's masks need not derive from the model's
             return self.processor(attn, *args, **kwargs)
 

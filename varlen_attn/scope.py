@@ -134,9 +134,16 @@ class Scope:
     """Per-forward state: the policy, derivation keys of mask tensors, the plans built from
     them, and the model's mask inputs (``roots``, by argument name)."""
 
-    def __init__(self, policy: Policy, tracking: str = MODE, watching: bool = False):
+    def __init__(self, policy: Policy, tracking: str = MODE, watching: bool = False, adopts: bool = True):
         self.policy = policy
         self.tracking = tracking
+        # Checkpoints the model does not wrap (varlen_attn.hook.adopt_checkpoint): ``adopts`` says
+        # whether this scope makes their recomputations re-enter it (not a processor's one-call
+        # scope: a recomputation calls that processor again); ``enclosing_frame`` is the frame of
+        # a checkpoint around this whole forward, which is never adopted: its recomputation runs
+        # the forward again, in a scope of its own, and holds more than this scope's attention.
+        self.adopts = adopts
+        self.enclosing_frame = None
         # Attention modules entered and not left (model._AttentionForward), and the keys of the
         # factory outputs made inside one / outside every one: what :meth:`learned` reads.
         self.attention: list[AttentionCall] = []
