@@ -146,8 +146,10 @@ def _checkpoint_blocks(model, use_reentrant=False, compiled=None):
     return model
 
 
+@pytest.mark.usefixtures("fresh_dynamo")  # compiled blocks of earlier cases count towards dynamo's recompile limit
 @pytest.mark.parametrize("use_reentrant,compiled,backend", [(False, None, "auto"), (True, None, "auto"),
-                                                             (False, True, "auto"), (False, True, "reference")])
+                                                             (False, True, "auto"), (False, True, "reference"),
+                                                             (True, True, "auto")])
 def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, backend):
     """Blocks the caller checkpoints with torch.utils.checkpoint directly (eagerly, or around
     compiled blocks): the recomputation, which runs in backward outside the forward, re-enters
@@ -155,7 +157,9 @@ def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, 
     forward's plan and kernels and torch's checkpoint finds the same tensors saved; steps with
     a new mask each, the first tracked by the mode and the later by tracked masks, equal
     stock checkpointed the same way, one plan and one host read each. A reentrant checkpoint
-    recomputes outside the scope on stock SDPA (it compares nothing), with equal results.
+    recomputes outside the scope (it compares nothing), with equal results: eagerly on stock
+    SDPA (a guard: this worked before the change too), around compiled blocks on the custom op,
+    which plans again there.
     Compiled blocks on both routes: the custom op (auto) and attention in the graph
     (``reference``, whose dense form traces)."""
     stock = _checkpoint_blocks(tiny_chroma(), use_reentrant, None if compiled is None else False)
@@ -165,8 +169,11 @@ def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, 
         got = step(model, chroma_inputs(lengths, seed=i))
         st = va.stats()
         assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
-        assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and not st["fallbacks"], (lengths, st)
-        calls = CHROMA_ATTN_LAYERS * (1 if use_reentrant else 2)
+        # A reentrant recomputation of compiled blocks runs the custom op outside the scope: it
+        # plans each block's mask again (docs/troubleshooting.md).
+        plans = 1 + (CHROMA_ATTN_LAYERS if use_reentrant and compiled else 0)
+        assert st["plan_builds"] == plans and st["host_syncs"] == plans and not st["fallbacks"], (lengths, st)
+        calls = CHROMA_ATTN_LAYERS * (1 if use_reentrant and not compiled else 2)
         assert sum(st["backends"].values()) == calls, (lengths, st)
 
 
