@@ -149,3 +149,31 @@ def test_restore_checkpoint_mask(path, restore):
     other = stock(inputs, checkpointing=restore)
     assert (want[0] - other[0]).abs().max() > 1e-3, "the checkpoint mask must matter for this test"
     assert_model_close(got, want, what=f"{path}/restore={restore}")
+
+
+# -- gradient checkpointing -------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", PATHS)
+def test_checkpointed_blocks_run_their_attention_on_every_path(path):
+    """With diffusers' gradient checkpointing, attention runs on varlen_attn in the forward and
+    in the recomputation on every path; with the whole model compiled too, where the checkpoint
+    is a higher-order op whose body dynamo traces apart from the modes around it (the hook is
+    entered inside the checkpointed call: before, attention there ran stock SDPA, unrecorded)."""
+    inputs = chroma_inputs(LENGTHS)
+    model, fn = enabled(path)
+    model.enable_gradient_checkpointing()
+    got, st = run(fn, inputs)
+    assert_model_close(got, stock(inputs), what=f"{path}/checkpointing")  # the mask given back
+    assert st["backends"] == {"split_sdpa": 2 * CHROMA_ATTN_LAYERS} and not st["fallbacks"], st
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("policy,match", [({"strict": True}, BIAS_REASON),
+                                          ({"backend": "reference"}, "needs a packable mask")])
+def test_checkpointed_blocks_keep_the_policy_on_every_path(path, policy, match):
+    """strict and an explicit backend refuse a mask they cannot pack inside checkpointed blocks
+    as elsewhere, the whole model compiled included."""
+    model, fn = enabled(path, float_mask="bias", **policy)
+    model.enable_gradient_checkpointing()
+    with pytest.raises(Exception, match=match):
+        step(fn, chroma_inputs(LENGTHS, mask_dtype=torch.float64))

@@ -608,12 +608,11 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     the compiled code holds the traced calls, and no module is left changed."""
     mask = kwargs.get("attention_mask") if state.restore_checkpoint_mask else None
     swapped = []
-    if isinstance(mask, torch.Tensor):
-        for module in state.checkpointed:
-            func = module.__dict__.get("_gradient_checkpointing_func")
-            if func is not None:
-                module._gradient_checkpointing_func = functools.partial(_traced_checkpoint, func, mask)
-                swapped.append((module, func))
+    for module in state.checkpointed:
+        func = module.__dict__.get("_gradient_checkpointing_func")
+        if func is not None:
+            module._gradient_checkpointing_func = functools.partial(_traced_checkpoint, func, mask, state)
+            swapped.append((module, func))
     try:
         with VarlenHook(Scope(state.policy())):
             return orig_forward(*args, **kwargs)
@@ -622,10 +621,26 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
             module._gradient_checkpointing_func = func
 
 
-def _traced_checkpoint(func, mask, block, *args, **kwargs):
-    if isinstance(block, torch.nn.Module):
+def _traced_checkpoint(func, mask, state: _State, block, *args, **kwargs):
+    """A checkpointed block as dynamo traces it: its mask given back, and the hook entered inside
+    the checkpointed function, whose body dynamo traces as a higher-order op's, without the
+    modes active around it (attention there ran stock SDPA)."""
+    if isinstance(block, torch.nn.Module) and isinstance(mask, torch.Tensor):
         args = _restore_mask(block, args, kwargs, mask)
-    return func(block, *args, **kwargs)
+
+    return func(_Hooked(block, state), *args, **kwargs)
+
+
+class _Hooked:
+    """A checkpointed block under the hook (see _traced_checkpoint); an object with ``__call__``,
+    which diffusers' checkpoint helper calls."""
+
+    def __init__(self, block, state: _State):
+        self.block, self.state = block, state
+
+    def __call__(self, *args, **kwargs):
+        with VarlenHook(Scope(self.state.policy())):
+            return self.block(*args, **kwargs)
 
 
 class _Checkpoint:
