@@ -603,7 +603,7 @@ def _uninstall_compiled(state: _State) -> None:
 def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     """The forward as dynamo traces it (the whole model compiled): the hook with the policy
     only (plans are resolved at run time inside the custom op), derivation tracking off, and the
-    checkpointed blocks given back their mask. The recomputation is part of the compiled graph,
+    checkpointed blocks given back their mask and the hook (:func:`_traced_checkpoint`). The recomputation is part of the compiled graph,
     so it needs no scope to re-enter. The checkpoint functions are swapped while tracing only:
     the compiled code holds the traced calls, and no module is left changed."""
     mask = kwargs.get("attention_mask") if state.restore_checkpoint_mask else None
