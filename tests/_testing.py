@@ -9,6 +9,7 @@ so shrinking works on structure and the values stay random.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -433,3 +435,25 @@ class Recording:
 
         self.graphs.append({str(n.target) for n in gm.graph.nodes if n.op == "call_function"})
         return compile_fx(gm, example_inputs)
+
+
+class BlocksInARow(torch.nn.Module):
+    """Blocks called in a row on ``(x, attention_mask)``, each one's output added to ``x``; with
+    ``checkpointing``, called as diffusers calls them while gradients are on (non-reentrant
+    ``torch.utils.checkpoint`` through ``_gradient_checkpointing_func``, which enable_varlen wraps)."""
+
+    def __init__(self, blocks, checkpointing=False):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(blocks)
+        self.gradient_checkpointing = checkpointing
+        if checkpointing:
+            self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
+                                                                  use_reentrant=False)
+
+    def forward(self, x, attention_mask):
+        for block in self.blocks:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                x = x + self._gradient_checkpointing_func(block, x, attention_mask)
+            else:
+                x = x + block(x, attention_mask)
+        return x

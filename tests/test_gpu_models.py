@@ -1,15 +1,12 @@
 """GPU: tiny diffusers models in bf16 with enable_varlen on the best GPU backend vs stock, both
 measured against a float64 CPU run of the same weights. Run with ``python -m pytest -m gpu``."""
 
-import functools
-
 import pytest
 import torch
-import torch.utils.checkpoint
 
 import varlen_attn as va
 from _models import chroma_inputs, loss, step, tiny_chroma
-from _testing import IN_GRAPH_OP, Recording, assert_model_close, synchronising_calls
+from _testing import IN_GRAPH_OP, BlocksInARow, Recording, assert_model_close, synchronising_calls
 
 pytestmark = [
     pytest.mark.gpu,
@@ -195,27 +192,12 @@ class _Attend(torch.nn.Module):
         q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, s, 3, self.heads, self.dim).unbind(2))
         mask = keep[:, None, None, :] if self.kind == "keys" else keep[:, None, None, :] & keep[:, None, :, None]
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return x + out.transpose(1, 2).reshape(b, s, -1)
+        return out.transpose(1, 2).reshape(b, s, -1)
 
 
-class _Blocks(torch.nn.Module):
-    """Blocks in a row, each making the same kind of mask from the model's ``attention_mask``;
-    with ``checkpointing``, called as diffusers calls them (``_gradient_checkpointing_func``)."""
-
-    def __init__(self, kind, checkpointing):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList([_Attend(kind) for _ in range(3)])
-        self.gradient_checkpointing = checkpointing
-        if checkpointing:
-            self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
-                                                                  use_reentrant=False)
-
-    def forward(self, x, attention_mask):
-        for block in self.blocks:
-            x = (self._gradient_checkpointing_func(block, x, attention_mask) if self.gradient_checkpointing
-                 else block(x, attention_mask))
-        return x
+def _blocks(kind, checkpointing):
+    torch.manual_seed(0)
+    return BlocksInARow([_Attend(kind) for _ in range(3)], checkpointing)
 
 
 def _in_graph_backends():
@@ -236,9 +218,9 @@ def test_blocks_compiled_alone_run_attention_in_the_graph(backend, kind, checkpo
         pytest.skip(f"backend {backend!r} is not installed here")
     torch.backends.cuda.enable_cudnn_sdp(False)
     dev, t, n = torch.device("cuda"), 64, 192
-    ref_model = _Blocks(kind, checkpointing).double()
-    stock = _Blocks(kind, checkpointing).to(dev, torch.bfloat16)
-    model = va.enable_varlen(_Blocks(kind, checkpointing).to(dev, torch.bfloat16), backend=backend)
+    ref_model = _blocks(kind, checkpointing).double()
+    stock = _blocks(kind, checkpointing).to(dev, torch.bfloat16)
+    model = va.enable_varlen(_blocks(kind, checkpointing).to(dev, torch.bfloat16), backend=backend)
     compiler = Recording()
     for block in model.blocks:
         block.compile(fullgraph=True, backend=compiler)

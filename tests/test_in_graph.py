@@ -9,18 +9,15 @@ padding rows and the autograd around the kernel are the code that runs on the GP
 Chroma with every block compiled on this route (one plan and one host read per step, equal to
 stock, the route in every graph) is in tests/test_compile.py, beside the custom op's route."""
 
-import functools
-
 import pytest
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
 import kernels_ref
 import varlen_attn as va
-from _testing import IN_GRAPH_OP, Recording, assert_model_close
+from _testing import IN_GRAPH_OP, BlocksInARow, Recording, assert_model_close
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo", "unwritten_rows")  # conftest.py, below
 
@@ -87,26 +84,12 @@ class _Block(torch.nn.Module):
         return out.transpose(1, 2).reshape(B, S, H * D)
 
 
-class _Model(torch.nn.Module):
-    """Blocks in a row; with ``checkpointing``, called as diffusers calls them (non-reentrant
-    ``torch.utils.checkpoint`` through ``_gradient_checkpointing_func``)."""
+class _Model(BlocksInARow):
+    """Blocks of ``kinds`` in a row (:class:`_testing.BlocksInARow`), seeded."""
 
     def __init__(self, kinds, checkpointing=False, dropout=0.0):
-        super().__init__()
         torch.manual_seed(0)
-        self.blocks = torch.nn.ModuleList([_Block(kind, dropout) for kind in kinds])
-        self.gradient_checkpointing = checkpointing
-        if checkpointing:
-            self._gradient_checkpointing_func = functools.partial(torch.utils.checkpoint.checkpoint,
-                                                                  use_reentrant=False)
-
-    def forward(self, x, attention_mask):
-        for block in self.blocks:
-            if self.gradient_checkpointing and torch.is_grad_enabled():
-                x = x + self._gradient_checkpointing_func(block, x, attention_mask)
-            else:
-                x = x + block(x, attention_mask)
-        return x
+        super().__init__([_Block(kind, dropout) for kind in kinds], checkpointing)
 
 
 def _mask(lengths, image=N):
