@@ -177,3 +177,22 @@ def test_checkpointed_blocks_keep_the_policy_on_every_path(path, policy, match):
     model.enable_gradient_checkpointing()
     with pytest.raises(Exception, match=match):
         step(fn, chroma_inputs(LENGTHS, mask_dtype=torch.float64))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_restore_checkpoint_mask_finds_a_positional_mask(path):
+    """The mask given back to checkpointed blocks is found where the caller passed it by
+    position too (with the whole model compiled it was looked up by keyword only, and Chroma's
+    checkpointed single blocks silently ran without it)."""
+    import inspect
+
+    inputs = chroma_inputs(LENGTHS)
+    params = list(inspect.signature(type(tiny_chroma()).forward).parameters)[1:]
+    given = params[:params.index("attention_mask") + 1]
+    args = [inputs[p] for p in given]
+    rest = {"return_dict": False, **{k: v for k, v in inputs.items() if k not in given}}
+    model, fn = enabled(path)
+    model.enable_gradient_checkpointing()
+    model.zero_grad(set_to_none=True)
+    out = fn(*args, **rest)[0]
+    assert_model_close(out.detach(), stock(inputs)[0], what=f"{path}/positional mask")

@@ -606,7 +606,7 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     checkpointed blocks given back their mask and the hook (:func:`_traced_checkpoint`). The recomputation is part of the compiled graph,
     so it needs no scope to re-enter. The checkpoint functions are swapped while tracing only:
     the compiled code holds the traced calls, and no module is left changed."""
-    mask = kwargs.get("attention_mask") if state.restore_checkpoint_mask else None
+    mask = _argument(type(model), "attention_mask", args, kwargs) if state.restore_checkpoint_mask else None
     swapped = []
     for module in state.checkpointed:
         func = module.__dict__.get("_gradient_checkpointing_func")
@@ -619,6 +619,17 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     finally:
         for module, func in swapped:
             module._gradient_checkpointing_func = func
+
+
+def _argument(cls, name: str, args, kwargs):
+    """The argument ``name`` of a call of ``cls.forward``, by keyword or by position; None where
+    not given. By the cached parameter names (:func:`_param_names`): dynamo traces this."""
+    if name in kwargs:
+        return kwargs[name]
+    params = _param_names(cls)
+    if params is None or name not in params or params.index(name) >= len(args):
+        return None
+    return args[params.index(name)]
 
 
 def _traced_checkpoint(func, mask, state: _State, block, *args, **kwargs):
@@ -641,6 +652,12 @@ class _Hooked:
     def __call__(self, *args, **kwargs):
         with VarlenHook(Scope(self.state.policy())):
             return self.block(*args, **kwargs)
+
+    def __getattr__(self, name):  # a checkpoint function that reads the block (``m.training``)
+        block = self.__dict__.get("block")
+        if block is None:
+            raise AttributeError(name)
+        return getattr(block, name)
 
 
 class _Checkpoint:
