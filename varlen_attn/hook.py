@@ -289,7 +289,8 @@ class active:  # noqa: N801 - a context manager
 # same plans, no rebuild, same kernels. torch's non-reentrant checkpoint keeps the recomputation
 # in its frame (``_CheckpointFrame.recompute_fn``), which the innermost saved-tensor hooks (its
 # ``_checkpoint_hook``) hold while its forward runs. A reentrant checkpoint runs its forward
-# without autograd and compares nothing: its recomputation runs stock SDPA, with equal results.
+# without autograd and compares nothing: its recomputation runs outside the scope (eagerly on
+# stock SDPA; compiled blocks plan again), with equal results.
 
 
 def checkpoint_frame():
