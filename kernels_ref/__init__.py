@@ -4,6 +4,6 @@ This package is the project's numerical oracle and its CPU backend. See
 :mod:`kernels_ref.varlen` for the exact semantics.
 """
 
-from .varlen import attention_ref, flash_attn_varlen_func, varlen_attention_dense
+from .varlen import attention_ref, flash_attn_varlen_func, same_segment, varlen_attention_dense
 
-__all__ = ["attention_ref", "flash_attn_varlen_func", "varlen_attention_dense"]
+__all__ = ["attention_ref", "flash_attn_varlen_func", "same_segment", "varlen_attention_dense"]

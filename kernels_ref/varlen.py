@@ -485,17 +485,23 @@ def attention_ref(
     return torch.matmul(probs, vc).to(q.dtype)
 
 
+def same_segment(rows_q: int, rows_k: int, cu_seqlens_q, cu_seqlens_k):
+    """``[rows_q, rows_k]`` bool: packed query row ``i`` and key row ``j`` lie in the same
+    sequence. Rows past ``cu_seqlens[-1]`` lie in none (they see, and are seen by, nothing)."""
+    device = cu_seqlens_q.device
+    ids_q, ids_k = torch.arange(rows_q, device=device), torch.arange(rows_k, device=device)
+    seg_q = torch.where(ids_q < cu_seqlens_q[-1], torch.bucketize(ids_q, cu_seqlens_q[1:].long(), right=True), -1)
+    seg_k = torch.where(ids_k < cu_seqlens_k[-1], torch.bucketize(ids_k, cu_seqlens_k[1:].long(), right=True), -2)
+    return seg_q[:, None] == seg_k[None, :]
+
+
 def varlen_attention_dense(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale):
     """The same attention (no causal, window, softcap or ALiBi) as one dense computation over
     every packed row, for code that must be traced (``torch.compile``) rather than loop on the
     host: row ``i`` of q sees row ``j`` of k exactly when both lie in the same sequence. Rows past
     ``cu_seqlens_q[-1]`` / ``cu_seqlens_k[-1]`` belong to no sequence (they may hold anything):
     their output is zeros and they are never read as keys. Quadratic in the rows: a test oracle."""
-    seg_q = torch.bucketize(torch.arange(q.shape[0], device=q.device), cu_seqlens_q[1:].long(), right=True)
-    seg_k = torch.bucketize(torch.arange(k.shape[0], device=k.device), cu_seqlens_k[1:].long(), right=True)
-    seg_q = torch.where(torch.arange(q.shape[0], device=q.device) < cu_seqlens_q[-1], seg_q, -1)
-    seg_k = torch.where(torch.arange(k.shape[0], device=k.device) < cu_seqlens_k[-1], seg_k, -2)
-    see = seg_q[:, None] == seg_k[None, :]
+    see = same_segment(q.shape[0], k.shape[0], cu_seqlens_q, cu_seqlens_k)
     work = torch.promote_types(q.dtype, torch.float32)
     qt, kt, vt = (t.to(work).transpose(0, 1) for t in (q, k, v))
     kt = kt.repeat_interleave(q.shape[1] // k.shape[1], dim=0)

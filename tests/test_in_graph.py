@@ -340,11 +340,9 @@ class _OwnEntryPoints(va.kernels.Backend):
         """``[Hq, Tq]`` log-sum-exp of each valid row's scores over its segment's keys (-inf past
         the last segment)."""
         p = inp.plan
-        rows_q, rows_k = torch.arange(inp.q.shape[0]), torch.arange(inp.k.shape[0])
-        seg_q = torch.where(rows_q < p.cu_seqlens_q[-1], torch.bucketize(rows_q, p.cu_seqlens_q[1:].long(), right=True), -1)
-        seg_k = torch.where(rows_k < p.cu_seqlens_k[-1], torch.bucketize(rows_k, p.cu_seqlens_k[1:].long(), right=True), -2)
+        see = kernels_ref.same_segment(inp.q.shape[0], inp.k.shape[0], p.cu_seqlens_q, p.cu_seqlens_k)
         scores = torch.einsum("qhd,khd->hqk", inp.q, inp.k) * inp.scale
-        return torch.logsumexp(scores.masked_fill(seg_q[:, None] != seg_k[None, :], float("-inf")), dim=-1)
+        return torch.logsumexp(scores.masked_fill(~see, float("-inf")), dim=-1)
 
     def backward(self, inp, out, lse, dout):
         """The gradients by autograd through the oracle, once the output and log-sum-exp the

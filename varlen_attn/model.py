@@ -275,7 +275,8 @@ def enable_varlen(
             diffusers calls without it (Chroma's single blocks).
         in_graph: in submodules compiled on their own with ``fullgraph=True``
             (``block.compile()``, regional compilation), run attention inside the compiled graph
-            where the backend's kernel traces (``torch``; ``reference`` on the CPU): no Python
+            where the backend's kernel traces (``torch``; ``reference`` on the CPU) or has its own
+            entry points (FA4, its kernel in an opaque op): no Python
             of varlen_attn runs then beyond one plan lookup per call. A block whose call that
             route cannot run (a mask that is not one segment per batch element, a fallback to
             masked SDPA) is called again on the general route, varlen_attn's custom op, and
@@ -402,8 +403,8 @@ _running_lock = threading.Lock()
 
 
 def _run_scoped(state: _State, orig_forward, bound, roots, names, tracking: str, calls: int):
-    scope = Scope(state.policy(), tracking, watching=state.watching and names not in state.no_entry)
-    scope.enclosing_frame = checkpoint_frame()  # a checkpoint around this forward (hook.adopt_checkpoint)
+    scope = Scope(state.policy(), tracking, watching=state.watching and names not in state.no_entry,
+                  enclosing_frame=checkpoint_frame())  # a checkpoint around this forward (hook.adopt_checkpoint)
     for (name, sub, given), root in zip(roots, names):
         t = given
         if tracking != MODE:
@@ -603,8 +604,8 @@ def _uninstall_compiled(state: _State) -> None:
 def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     """The forward as dynamo traces it (the whole model compiled): the hook with the policy
     only (plans are resolved at run time inside the custom op), derivation tracking off, and the
-    checkpointed blocks given back their mask and the hook (:func:`_traced_checkpoint`). The recomputation is part of the compiled graph,
-    so it needs no scope to re-enter. The checkpoint functions are swapped while tracing only:
+    checkpointed blocks given back their mask and the hook (:func:`_traced_checkpoint`). The
+    recomputation is part of the compiled graph, so it needs no scope to re-enter. The checkpoint functions are swapped while tracing only:
     the compiled code holds the traced calls, and no module is left changed."""
     mask = _argument(type(model), "attention_mask", args, kwargs) if state.restore_checkpoint_mask else None
     swapped = []
@@ -638,7 +639,6 @@ def _traced_checkpoint(func, mask, state: _State, block, *args, **kwargs):
     modes active around it (attention there ran stock SDPA)."""
     if isinstance(block, torch.nn.Module) and isinstance(mask, torch.Tensor):
         args = _restore_mask(block, args, kwargs, mask)
-
     return func(_Hooked(block, state), *args, **kwargs)
 
 

@@ -3,8 +3,9 @@
 Under compilation the functional entries (and through them ``enable_varlen``'s SDPA hook) call
 :func:`attention`, which calls ``torch.ops.varlen_attn.attention_v2`` (under CUDA graphs another
 path, below: "Under CUDA graphs"; in compiled blocks of an enabled model with a backend whose
-kernel traces, attention in the graph itself, below: "In the graph"). Everything data-dependent happens inside that op, at run
-time, through the same code as the eager path: the plan
+kernel traces or has its own entry points, attention in the graph itself, below: "In the
+graph"). Everything data-dependent happens inside that op, at run time, through the same code
+as the eager path: the plan
 (:func:`varlen_attn.scope.resolve_plan`, or a prebuilt plan named by its ``token``), the route
 and its execution (:mod:`varlen_attn.execution`). The graph sees only padded tensors in and
 out, with fixed shapes, so:
@@ -490,16 +491,18 @@ static_attention_op.register_autograd(_static_backward, setup_context=_static_se
 
 # --- In the graph -------------------------------------------------------------------------------
 # In the compiled blocks of an enabled model (``Policy.in_graph``), with a backend whose kernel
-# traces (``Backend.TRACEABLE``: ``torch``, whose aten forward autograd differentiates), attention
-# goes into the block's graph itself: one op reads the plan on the host (the forward's plan, as
-# the op above resolves it: one build and one host sync per step) and returns it in the static
-# layout (one segment per batch element, every row kept: varlen_attn.plan.static_layout_of);
-# then the graph permutes q, k and v into packed order, runs the kernel and permutes back, in
-# tensor ops inductor fuses. No Python of ours runs in the backward, nor in the forward beyond
-# the plan lookup. The static layout holds padding masks only; for any other mask, or a route
-# that is not that backend's (masked SDPA for a mask that cannot be packed, another backend),
-# the op raises InGraphDeclined, and the block's boundary (varlen_attn.model) turns the route
-# off for that block and calls it again: traced anew, it takes the op above.
+# traces (``Backend.TRACEABLE``: ``torch``, whose aten forward autograd differentiates) or has its
+# own forward and backward entry points (FA4: its kernel in the opaque op at the end of this
+# module), attention goes into the block's graph itself: one op reads the plan on the host (the
+# forward's plan, as the op above resolves it: one build and one host sync per step) and returns
+# it in the static layout (one segment per batch element, every row kept:
+# varlen_attn.plan.static_layout_of); then the graph gathers q, k and v into packed order, runs
+# the kernel and scatters back, in tensor ops inductor fuses. No Python of ours runs in the
+# backward (beyond FA4's kernel op), nor in the forward beyond the plan lookup. The static layout
+# holds padding masks only; for any other mask, or a route that is not that backend's (masked
+# SDPA for a mask that cannot be packed, another backend), the op raises InGraphDeclined, and the
+# block's boundary (varlen_attn.model) turns the route off for that block and calls it again:
+# traced anew, it takes the op above.
 
 
 class InGraphDeclined(VarlenAttnError):

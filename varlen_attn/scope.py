@@ -134,7 +134,8 @@ class Scope:
     """Per-forward state: the policy, derivation keys of mask tensors, the plans built from
     them, and the model's mask inputs (``roots``, by argument name)."""
 
-    def __init__(self, policy: Policy, tracking: str = MODE, watching: bool = False, adopts: bool = True):
+    def __init__(self, policy: Policy, tracking: str = MODE, watching: bool = False, adopts: bool = True,
+                 enclosing_frame=None):
         self.policy = policy
         self.tracking = tracking
         # Checkpoints the model does not wrap (varlen_attn.hook.adopt_checkpoint): ``adopts`` says
@@ -143,7 +144,7 @@ class Scope:
         # a checkpoint around this whole forward, which is never adopted: its recomputation runs
         # the forward again, in a scope of its own, and holds more than this scope's attention.
         self.adopts = adopts
-        self.enclosing_frame = None
+        self.enclosing_frame = enclosing_frame
         # Attention modules entered and not left (model._AttentionForward), and the keys of the
         # factory outputs made inside one / outside every one: what :meth:`learned` reads.
         self.attention: list[AttentionCall] = []
