@@ -10,6 +10,7 @@ so shrinking works on structure and the values stay random.
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import os
 import warnings
@@ -457,3 +458,45 @@ class BlocksInARow(torch.nn.Module):
             else:
                 x = x + block(x, attention_mask)
         return x
+
+
+class Checkpointed:
+    """A block's ``forward`` checkpointed by the caller with ``torch.utils.checkpoint`` itself, not
+    through diffusers' ``_gradient_checkpointing_func`` (OneTrainer wraps its blocks this way);
+    arguments by position, which a reentrant checkpoint needs to differentiate them."""
+
+    def __init__(self, forward, use_reentrant):
+        self.forward, self.use_reentrant = forward, use_reentrant
+
+    def __call__(self, *args, **kwargs):
+        forward = getattr(self.forward, "forward", self.forward)  # a module: its forward's signature
+        bound = inspect.signature(forward).bind(*args, **kwargs)
+        bound.apply_defaults()
+        return torch.utils.checkpoint.checkpoint(self.forward, *bound.args, use_reentrant=self.use_reentrant)
+
+
+class CheckpointedModule(torch.nn.Module):
+    """A block replaced by a module that checkpoints it (the block may be compiled itself)."""
+
+    def __init__(self, block, use_reentrant):
+        super().__init__()
+        self.block, self.call = block, Checkpointed(block, use_reentrant)
+
+    def forward(self, *args, **kwargs):
+        return self.call(*args, **kwargs)
+
+
+def checkpoint_blocks(model, use_reentrant=False, compiled=None, compiler="aot_eager"):
+    """Every block of a Chroma checkpointed by the caller: its forward wrapped (``compiled``
+    None), or the block replaced by a module that checkpoints it, the block compiled by
+    ``compiler`` (``compiled`` True: the checkpoint around the compiled call) or not (False:
+    the stock of that case)."""
+    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
+        for i, block in enumerate(blocks):
+            if compiled is None:
+                block.forward = Checkpointed(block.forward, use_reentrant)
+                continue
+            if compiled:
+                block.compile(fullgraph=True, backend=compiler)
+            blocks[i] = CheckpointedModule(block, use_reentrant)
+    return model

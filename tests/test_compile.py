@@ -182,6 +182,60 @@ def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, back
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+def _whole_model_case(name: str, step_index: int):
+    """``(make_model, inputs, attention_layers)`` of a tiny model whose blocks re-derive the mask
+    from its input: Chroma (an outer product per block) or Qwen-Image (a cat per block)."""
+    import _models as M
+
+    lengths = [(5, 2, 0), (7, 1, 3), (2, 2, 2), (0, 0, 0)][step_index]
+    if name == "chroma":
+        return M.tiny_chroma, M.chroma_inputs(lengths, seed=step_index), M.CHROMA_ATTN_LAYERS
+    inputs = {k: v for k, v in M.qwen_flux_inputs(seed=step_index).items() if k != "pooled_projections"}
+    inputs.update(encoder_hidden_states_mask=M.prefix_keep([min(n, M.QF_T) for n in lengths]),
+                  img_shapes=[(1, M.QF_H, M.QF_W)] * M.QF_B)
+    return M.qwen_model, inputs, M.QWEN_ATTN_LAYERS
+
+
+# aot_eager traces as inductor does (dynamo, AOTAutograd, its partitioner); inductor itself in one
+# case (its compile takes a minute on the CPU).
+@pytest.mark.parametrize("name, checkpointing, compiler", [
+    *((name, ckpt, "aot_eager") for name in ("chroma", "qwen") for ckpt in (True, False)),
+    ("qwen", True, "inductor")])
+def test_a_whole_model_compiled_syncs_the_host_at_most_once_per_step(name, checkpointing, compiler, monkeypatch):
+    """The whole enabled model compiled (fullgraph), gradient checkpointing on or off, a new mask
+    each step: every attention op of a forward and of its recomputation finds its plan in the
+    forward's run-time scope (varlen_attn.op.forward_op), so a step builds one plan and reads the
+    host once (it read it once per attention call), and equals eager stock. Under inductor, whose
+    own code rounds otherwise than eager in float64, stock compiled by inductor measures that
+    rounding (the baseline of assert_model_close)."""
+    from _models import step
+
+    make, _, layers = _whole_model_case(name, 0)
+    stock, model = make(), va.enable_varlen(make())
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    run = torch.compile(model, fullgraph=True, backend=compiler)
+    stock_compiled = torch.compile(make(), fullgraph=True, backend=compiler) if compiler == "inductor" else None
+    reads = HostReads(monkeypatch)
+    for i in range(4 if compiler == "aot_eager" else 2):
+        _, inputs, _ = _whole_model_case(name, i)
+        va.reset_stats()
+        with reads:
+            got = step(run, inputs)
+        st = va.stats()
+        assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (i, st)
+        # The first step compiles: the compiler reads values of its own.
+        assert i == 0 or reads.calls == ["tolist"], (i, reads.calls)
+        assert sum(st["backends"].values()) == layers * (2 if checkpointing else 1) and not st["fallbacks"], st
+        got = (got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()})
+        baseline = None
+        if stock_compiled is not None:
+            baseline = step(stock_compiled, inputs)
+            baseline = (baseline[0], {n.replace("_orig_mod.", ""): g for n, g in baseline[1].items()})
+        assert_model_close(got, step(stock, inputs), baseline=baseline, what=f"{name}/{i}")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 @pytest.fixture
 def cpu_as_cuda(monkeypatch):
     """The CPU stands in for CUDA: "cpu" is admitted to the devices whose graphs CUDA graphs
@@ -411,7 +465,7 @@ def test_compiled_op_lse_does_not_hold_stale_memory(backend):
     for _ in range(3):
         torch.full((H, B * S), float("nan"), dtype=torch.float32)  # made and freed right away
         lse = va.op.attention_op(q, k, v, keep, None, [], "", None, False, False, backend, False,
-                                 "model", "bool", False)[1]
+                                 "model", "bool", False, None)[1]
         assert torch.equal(lse, torch.zeros_like(lse)), lse
 
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 import varlen_attn as va
-from _models import chroma_inputs, loss, step, tiny_chroma
-from _testing import IN_GRAPH_OP, BlocksInARow, Recording, assert_model_close, synchronising_calls
+from _models import CHROMA_ATTN_LAYERS, chroma_inputs, loss, step, tiny_chroma
+from _testing import (IN_GRAPH_OP, BlocksInARow, Recording, assert_model_close, checkpoint_blocks,
+                      synchronising_calls)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -62,6 +63,63 @@ def test_chroma_compiled_blocks_with_a_new_mask_each_step(backend, checkpointing
             assert_model_close(ours, ref, baseline=step(stock, inputs), what=f"{lengths}")
         in_graph = set(st["backends"]) <= {"torch", "flash_attn_4"}
         assert len(compiler.graphs) == 2 and all((IN_GRAPH_OP in g) == in_graph for g in compiler.graphs), compiler.graphs
+    finally:
+        torch.compiler.reset()
+
+
+def _strip(result):
+    """A step's result with the names of a compiled model's parameters as the model's own."""
+    return result[0], {n.replace("_orig_mod.", ""): g for n, g in result[1].items()}
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_chroma_whole_model_compiled_plans_once_per_step(checkpointing):
+    """The whole enabled model compiled (inductor, fullgraph), gradient checkpointing on or off, a
+    new mask each step: each step equals the float64 reference within 2x the error of stock
+    compiled the same way, with one plan and one host sync (every attention op of the forward and
+    of its recomputation finds the plan in the forward's run-time scope, varlen_attn.op.forward_op)."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    stock = torch.compile(tiny_chroma(dtype=torch.bfloat16, device="cuda"), fullgraph=True)
+    model = va.enable_varlen(tiny_chroma(dtype=torch.bfloat16, device="cuda"))
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    run = torch.compile(model, fullgraph=True)
+    try:
+        for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (0, 0, 0), (1, 7, 4)]):
+            ref = step(tiny_chroma(), chroma_inputs(lengths, seed=i))  # float64, CPU
+            inputs = chroma_inputs(lengths, seed=i, dtype=torch.bfloat16, device="cuda")
+            va.reset_stats()
+            ours = _strip(step(run, inputs))
+            st = va.stats()
+            assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and st["fallbacks"] == {}, (lengths, st)
+            assert_model_close(ours, ref, baseline=_strip(step(stock, inputs)), what=f"{lengths}")
+    finally:
+        torch.compiler.reset()
+
+
+@pytest.mark.parametrize("compiled", [None, True])
+def test_chroma_blocks_checkpointed_by_the_caller(compiled):
+    """Blocks the caller checkpoints with torch.utils.checkpoint itself (OneTrainer's way), eager
+    or around blocks compiled by inductor: the recomputation re-enters the forward's scope
+    (varlen_attn.hook.adopt_checkpoint), so each step equals the float64 reference within 2x
+    stock's bf16 error (stock checkpointed the same way), with one plan and one host sync."""
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    stock = checkpoint_blocks(tiny_chroma(dtype=torch.bfloat16, device="cuda"), False,
+                              None if compiled is None else False)
+    model = va.enable_varlen(checkpoint_blocks(tiny_chroma(dtype=torch.bfloat16, device="cuda"), False, compiled,
+                                               compiler="inductor"))
+    # float64 on the CPU, its blocks wrapped the same way (the same parameter names)
+    reference = checkpoint_blocks(tiny_chroma(), False, None if compiled is None else False)
+    try:
+        for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (3, 3, 3)]):
+            ref = step(reference, chroma_inputs(lengths, seed=i))
+            inputs = chroma_inputs(lengths, seed=i, dtype=torch.bfloat16, device="cuda")
+            va.reset_stats()
+            ours = step(model, inputs)
+            st = va.stats()
+            assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and st["fallbacks"] == {}, (lengths, st)
+            assert sum(st["backends"].values()) == 2 * CHROMA_ATTN_LAYERS and "sdpa" not in st["backends"], (lengths, st)
+            assert_model_close(ours, ref, baseline=step(stock, inputs), what=f"{lengths}")
     finally:
         torch.compiler.reset()
 

@@ -13,7 +13,7 @@ import torch.utils.checkpoint
 
 import varlen_attn as va
 from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
-from _testing import CopySaved, CountSyncs, assert_model_close, assert_model_equal
+from _testing import CopySaved, CountSyncs, assert_model_close, assert_model_equal, checkpoint_blocks
 from varlen_attn.scope import Scope
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
@@ -105,47 +105,6 @@ def test_gradient_checkpointing_keeps_the_mask_and_the_plan(stock):
     va.disable_varlen(model)
 
 
-class _Checkpointed:
-    """A block's ``forward`` checkpointed by the caller with ``torch.utils.checkpoint`` itself, not
-    through diffusers' ``_gradient_checkpointing_func`` (OneTrainer wraps its blocks this way);
-    arguments by position, which a reentrant checkpoint needs to differentiate them."""
-
-    def __init__(self, forward, use_reentrant):
-        self.forward, self.use_reentrant = forward, use_reentrant
-
-    def __call__(self, *args, **kwargs):
-        forward = getattr(self.forward, "forward", self.forward)  # a module: its forward's signature
-        bound = inspect.signature(forward).bind(*args, **kwargs)
-        bound.apply_defaults()
-        return torch.utils.checkpoint.checkpoint(self.forward, *bound.args, use_reentrant=self.use_reentrant)
-
-
-class _CheckpointedModule(torch.nn.Module):
-    """A block replaced by a module that checkpoints it (the block may be compiled itself)."""
-
-    def __init__(self, block, use_reentrant):
-        super().__init__()
-        self.block, self.call = block, _Checkpointed(block, use_reentrant)
-
-    def forward(self, *args, **kwargs):
-        return self.call(*args, **kwargs)
-
-
-def _checkpoint_blocks(model, use_reentrant=False, compiled=None):
-    """Every block checkpointed by the caller: its forward wrapped (``compiled`` None), or the
-    block replaced by a module that checkpoints it, the block compiled (``compiled`` True: the
-    checkpoint around the compiled call) or not (False: the stock of that case)."""
-    for blocks in (model.transformer_blocks, model.single_transformer_blocks):
-        for i, block in enumerate(blocks):
-            if compiled is None:
-                block.forward = _Checkpointed(block.forward, use_reentrant)
-                continue
-            if compiled:
-                block.compile(fullgraph=True, backend="aot_eager")
-            blocks[i] = _CheckpointedModule(block, use_reentrant)
-    return model
-
-
 @pytest.mark.usefixtures("fresh_dynamo")  # compiled blocks of earlier cases count towards dynamo's recompile limit
 @pytest.mark.parametrize("use_reentrant,compiled,backend", [(False, None, "auto"), (True, None, "auto"),
                                                              (False, True, "auto"), (False, True, "reference"),
@@ -162,8 +121,8 @@ def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, 
     which plans again there.
     Compiled blocks on both routes: the custom op (auto) and attention in the graph
     (``reference``, whose dense form traces)."""
-    stock = _checkpoint_blocks(tiny_chroma(), use_reentrant, None if compiled is None else False)
-    model = va.enable_varlen(_checkpoint_blocks(tiny_chroma(), use_reentrant, compiled), backend=backend)
+    stock = checkpoint_blocks(tiny_chroma(), use_reentrant, None if compiled is None else False)
+    model = va.enable_varlen(checkpoint_blocks(tiny_chroma(), use_reentrant, compiled), backend=backend)
     for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2)]):
         va.reset_stats()
         got = step(model, chroma_inputs(lengths, seed=i))

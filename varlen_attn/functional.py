@@ -127,8 +127,9 @@ GRAD_MASK_REASON = ("attn_mask requires grad (a learned bias): masked SDPA runs,
 
 
 def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
-             policy: Policy) -> torch.Tensor:
-    """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced."""
+             policy: Policy, forward: torch.Tensor | None = None) -> torch.Tensor:
+    """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced
+    (``forward``: the handle of the traced forward of a whole model compiled, ``op.forward_op``)."""
     mask4 = execution.mask4_of(mask, q, k, convention)  # a view; also validates the mask's shape
     if q.is_meta or q.numel() == 0 or k.numel() == 0 or (opts.scale is not None and not math.isfinite(opts.scale)):
         # No data (meta tensors: shape propagation for init-on-meta tooling), no tokens, or a
@@ -142,7 +143,8 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
         op.refuse_unsupported_compile()
         if mask is None and plan is None and policy.unmasked_is_sdpa:
             return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA, inside the graph
-        return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
+        return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy,
+                            forward=forward)
     plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                         device=q.device, convention=convention, policy=policy, plan=plan, scope=current_scope())
     return execution.attend(q, k, v, plan, mask4, opts, policy)
@@ -185,9 +187,10 @@ def scaled_dot_product_attention(
 
 
 def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                     enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None) -> torch.Tensor:
+                     enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None,
+                     forward: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`scaled_dot_product_attention` with a ready :class:`~varlen_attn.scope.Policy`
-    (what ``enable_varlen``'s hook calls)."""
+    (what ``enable_varlen``'s hook calls, with its scope's ``forward`` handle)."""
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
     scale = _check_options(dropout_p, scale)
@@ -222,7 +225,7 @@ def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         out = execution.masked_sdpa(q, k, v, tri, Options(scale, False, dropout_p, enable_gqa))
         return out.transpose(1, 2)
     out = dispatch(q, k, v, attn_mask, convention="torch", plan=plan,
-                   opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=policy)
+                   opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=policy, forward=forward)
     return out.transpose(1, 2)
 
 

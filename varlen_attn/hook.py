@@ -137,7 +137,7 @@ class VarlenHook(TorchFunctionMode):
                 self.scope.late = True  # an attention mask only the mode would route
             adopt_checkpoint(self.scope)
             with torch._C.DisableTorchFunctionSubclass():  # a tracked mask is plain in here
-                return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy)
+                return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy, forward=self.scope.forward)
         if torch.compiler.is_compiling():
             name = getattr(func, "__name__", "")
             if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:

@@ -29,8 +29,8 @@ from . import _stats
 from ._errors import InputTypeError, describe
 from .hook import (TrackedMask, VarlenHook, active, adopt_checkpoint, checkpoint_frame, hidden, hidden_scope, hooked,
                    plain, tracked)
-from .op import InGraphDeclined, fullgraph_traced, refuse_unsupported_compile
-from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope
+from .op import InGraphDeclined, forward_op, fullgraph_traced, refuse_unsupported_compile
+from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope, trace_root
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
 
@@ -373,10 +373,7 @@ def _param_names(cls) -> tuple[str, ...] | None:
 
 def _run_forward(model, state: _State, orig_forward, args, kwargs):
     bound = _signature(type(model)).bind_partial(*args, **kwargs)
-    # Mask inputs, also inside dicts such as Flux's joint_attention_kwargs={"attention_mask": m}.
-    roots = [(name, sub, t) for name, value in bound.arguments.items()
-             for sub, t in (value.items() if isinstance(value, dict) else [(name, value)])
-             if "mask" in str(sub) and isinstance(t, torch.Tensor)]
+    roots = _mask_arguments(bound.arguments)
     names = tuple(sub if sub == name else f"{name}.{sub}" for name, sub, _ in roots)
     # How this forward follows its masks: tracked mask tensors (with the mode inside attention
     # modules, for LOCAL) where an earlier forward with the same mask inputs showed that they
@@ -608,18 +605,39 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     recomputation is part of the compiled graph, so it needs no scope to re-enter. The checkpoint functions are swapped while tracing only:
     the compiled code holds the traced calls, and no module is left changed."""
     mask = _argument(type(model), "attention_mask", args, kwargs) if state.restore_checkpoint_mask else None
+    masks = [t for _, _, t in _mask_arguments(_arguments(type(model), args, kwargs))]
+    # The run-time scope of this forward (op.forward_op): one plan per mask, one host read.
+    for t in masks:
+        trace_root(t)
+    forward = forward_op(masks) if masks else None
     swapped = []
     for module in state.checkpointed:
         func = module.__dict__.get("_gradient_checkpointing_func")
         if func is not None:
-            module._gradient_checkpointing_func = functools.partial(_traced_checkpoint, func, mask, state)
+            module._gradient_checkpointing_func = functools.partial(_traced_checkpoint, func, mask, state, forward)
             swapped.append((module, func))
     try:
-        with VarlenHook(Scope(state.policy())):
+        with VarlenHook(Scope(state.policy(), forward=forward)):
             return orig_forward(*args, **kwargs)
     finally:
         for module, func in swapped:
             module._gradient_checkpointing_func = func
+
+
+def _arguments(cls, args, kwargs) -> dict:
+    """The arguments of a call of ``cls.forward`` by name, as far as the cached parameter names
+    (:func:`_param_names`) name them: dynamo traces this."""
+    params = _param_names(cls) or ()
+    return {**dict(zip(params, args)), **kwargs}
+
+
+def _mask_arguments(arguments: dict) -> list[tuple[str, str, torch.Tensor]]:
+    """The mask inputs among a forward's ``arguments``: tensors whose argument name contains
+    ``mask``, also inside dicts such as Flux's ``joint_attention_kwargs={"attention_mask": m}``,
+    as ``(argument name, name in it, tensor)``."""
+    return [(name, sub, t) for name, value in arguments.items()
+            for sub, t in (value.items() if isinstance(value, dict) else [(name, value)])
+            if "mask" in str(sub) and isinstance(t, torch.Tensor)]
 
 
 def _argument(cls, name: str, args, kwargs):
@@ -633,24 +651,25 @@ def _argument(cls, name: str, args, kwargs):
     return args[params.index(name)]
 
 
-def _traced_checkpoint(func, mask, state: _State, block, *args, **kwargs):
+def _traced_checkpoint(func, mask, state: _State, forward, block, *args, **kwargs):
     """A checkpointed block as dynamo traces it: its mask given back, and the hook entered inside
     the checkpointed function, whose body dynamo traces as a higher-order op's, without the
-    modes active around it (attention there ran stock SDPA)."""
+    modes active around it (attention there ran stock SDPA), with the forward's run-time scope
+    (``forward``), which its recomputation in backward takes too."""
     if isinstance(block, torch.nn.Module) and isinstance(mask, torch.Tensor):
         args = _restore_mask(block, args, kwargs, mask)
-    return func(_Hooked(block, state), *args, **kwargs)
+    return func(_Hooked(block, state, forward), *args, **kwargs)
 
 
 class _Hooked:
     """A checkpointed block under the hook (see _traced_checkpoint); an object with ``__call__``,
     which diffusers' checkpoint helper calls."""
 
-    def __init__(self, block, state: _State):
-        self.block, self.state = block, state
+    def __init__(self, block, state: _State, forward=None):
+        self.block, self.state, self.forward = block, state, forward
 
     def __call__(self, *args, **kwargs):
-        with VarlenHook(Scope(self.state.policy())):
+        with VarlenHook(Scope(self.state.policy(), forward=self.forward)):
             return self.block(*args, **kwargs)
 
     def __getattr__(self, name):  # a checkpoint function that reads the block (``m.training``)

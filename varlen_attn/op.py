@@ -39,12 +39,12 @@ from torch import Tensor
 from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError, VarlenAttnError
 from .execution import Options
-from .kernels import BACKENDS, VarlenInputs, select
+from .kernels import BACKENDS, TRACED_FIRST_MAX_KEYS, VarlenInputs, in_graph_priority, select
 from .kernels._base import compiled_graph
 from .pack import gather_rows, scatter_rows
 from .plan import (REASONS, STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool,
                    refuse_nan_inf, static_layout_of, static_plan_of, static_plan_tensors_of, static_sides)
-from .scope import Policy, current_scope, float_mask_read_as_bool, mask_info, resolve_plan, traced_signature
+from .scope import Policy, Scope, current_scope, float_mask_read_as_bool, mask_info, resolve_plan, traced_signature
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
 # and 2.15; on 2.6 and 2.8 whole-model compile recompiled for every new mask, on 2.5 regional
@@ -100,37 +100,77 @@ def _release(ident: int) -> None:
         _calls.pop(ident, None)
 
 
-def _held(handle: Tensor) -> tuple | None:
+def _held(handle: Tensor) -> tuple | Scope | None:
     """The entry under ``handle``, or None where the handle is a copy whose original (and entry)
     is gone."""
     with _lock:
         return _calls.get(int(handle.item()))
 
 
-# In the names of the two ops below. Inductor's on-disk cache keys a compiled graph by its forward
+# In the names of the three ops below. Inductor's on-disk cache keys a compiled graph by its forward
 # (the ops it calls and their arguments), not by the backward registered for an op: after a change
 # of what the backward op takes, a cached graph would call it the old way. So such a change also
 # changes this suffix, and with it the forward op's name and every cache key.
-_CONTRACT = "_v2"
+_CONTRACT = "_v3"
 
-# Both ops read the plan on the host at run time (and may build it): a CUDA graph replaying them
+# The attention ops read the plan on the host at run time (and may build it): a CUDA graph replaying them
 # would replay the last batch's plan. Tagged, inductor's CUDA graphs (mode="reduce-overhead")
 # capture the rest of the graph around them (graph partitions) instead.
 _NOT_CAPTURABLE = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
+
+
+# --- One forward of a whole model compiled --------------------------------------------------------
+# Traced whole, an enabled model's forward has no scope at run time: nothing of ours runs around
+# the compiled graph. Without one, every attention op looked its plan up in the cache keyed by
+# mask object, whose value check reads the host once per call. So the traced forward begins with
+# this op (varlen_attn.model._traced_forward): it makes a scope for the forward that runs and
+# returns its handle, which every attention op of the forward takes (``forward``): the first
+# masked call builds (or finds, with one read) the plan, the others find it in the scope, also
+# in the recomputation of checkpointed blocks, which takes the same handle. The scope lives while
+# the handle does (saved for backward where a recomputation needs it). The mask inputs go in: they
+# are the scope's roots (marked while tracing, scope.trace_root), so a mask the graph derives from
+# them in every block (Chroma's outer product, Qwen-Image's cat), in the forward and again in a
+# recomputation, is keyed by its traced derivation; and the op, depending on graph inputs, is
+# ordered after them and never folded to a constant.
+
+
+@torch.library.custom_op(f"varlen_attn::forward{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
+def forward_op(masks: list[Tensor]) -> Tensor:
+    """A new scope for one forward of a whole model compiled, its mask inputs ``masks`` as its
+    roots (keyed by position), under the handle returned."""
+    # Plans only: the policy travels with each attention op, no hook runs on this scope.
+    scope = Scope(Policy())
+    for i, t in enumerate(masks):
+        scope.add_root(str(i), t)
+    return _hold(scope)
+
+
+@forward_op.register_fake
+def _(masks):
+    return torch.empty(1, dtype=torch.int64)
+
+
+def _scope_of(forward: Tensor | None, thread: bool = True) -> Scope | None:
+    """The scope an attention op keeps its plans in: its forward's (``forward``, a handle of
+    :func:`forward_op`) while that lives, else (``thread``) the thread's (eager forwards around
+    compiled blocks)."""
+    scope = None if forward is None else _held(forward)
+    return scope if scope is not None or not thread else current_scope()
 
 
 @torch.library.custom_op(f"varlen_attn::attention{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token: Optional[Tensor],
                  roots: list[Tensor], derivation: str, scale: Optional[float], causal: bool, gqa: bool,
                  backend: str, strict: bool, convention: str, float_mask: str,
-                 model: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 model: bool, forward: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """Padded ``[B, S, H, D]`` q, k, v -> ``(out [B, Sq, Hq, Dv], lse [Hq, B*Sq] float32,
     handle)``; lse holds the kernel's values in its first ``total_q`` columns on fused routes and
-    zeros elsewhere."""
+    zeros elsewhere. ``forward``: the handle of the running forward of a whole model compiled
+    (:func:`forward_op`), whose scope its plans are kept in; else the thread's scope."""
     with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
         b, sq, h = q.shape[0], q.shape[1], q.shape[2]
         plan, r, mask4, opts = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend,
-                                              strict, convention, float_mask, model, current_scope())
+                                              strict, convention, float_mask, model, _scope_of(forward))
         # The lse output is zero past the plan's rows and on routes that make none: an op's outputs
         # must not depend on what the allocator left (torch.library.opcheck compares them).
         if r.fused:
@@ -168,7 +208,7 @@ def _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, 
 
 @attention_op.register_fake
 def _(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention, float_mask,
-      model):
+      model, forward):
     if q.device.type == "cuda" and _cuda_graphs_requested():
         raise BackendUnavailableError(
             "CUDA graphs (torch.compile mode='reduce-overhead') were requested, but varlen_attn did not "
@@ -192,7 +232,8 @@ def _cuda_graphs_requested() -> bool:
 def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           handle: Tensor, mask: Optional[Tensor], token: Optional[Tensor], roots: list[Tensor],
                           derivation: str, scale: Optional[float], causal: bool, gqa: bool, backend: str,
-                          strict: bool, convention: str, float_mask: str, model: bool) -> tuple[Tensor, Tensor, Tensor]:
+                          strict: bool, convention: str, float_mask: str, model: bool,
+                          forward: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
     """The forward's gradients. Its plan and route come from the registry under ``handle``; where
     the handle the backward got is a copy (saved-tensor hooks that copy what autograd saves, such
     as ``save_on_cpu(pin_memory=True)``: the original died with the forward, and its entry with
@@ -203,7 +244,7 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         entry = _held(handle)
         if entry is None:
             entry = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict,
-                                   convention, float_mask, model, None, backward=True)
+                                   convention, float_mask, model, _scope_of(forward, thread=False), backward=True)
         plan, r, mask4, opts = entry
         if r.fused:
             return _contiguous(execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
@@ -250,25 +291,26 @@ def _autograd_dispatch():
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, token, roots, *constants = inputs
+    q, k, v, mask, token, roots, *constants, forward = inputs
     out, lse, handle = output
-    ctx.save_for_backward(q, k, v, out, lse, handle, mask, token, *roots)
+    ctx.save_for_backward(q, k, v, out, lse, handle, mask, token, forward, *roots)
     ctx.constants = constants  # derivation, scale, causal, gqa, backend, strict, convention, float_mask, model
 
 
 def _backward(ctx, dout, _dlse, _dhandle):
-    q, k, v, out, lse, handle, mask, token, *roots = ctx.saved_tensors
+    q, k, v, out, lse, handle, mask, token, forward, *roots = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, handle, mask, token, roots,
-                                       *ctx.constants)
-    return dq, dk, dv, None, None, [None] * len(roots), *(None,) * len(ctx.constants)
+                                       *ctx.constants, forward)
+    return dq, dk, dv, None, None, [None] * len(roots), *(None,) * len(ctx.constants), None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, convention: str, opts: Options,
-              policy: Policy) -> Tensor:
-    """The traced path: padded ``[B, S, H, D]`` tensors to the op. Reads nothing data-dependent."""
+              policy: Policy, forward: Tensor | None = None) -> Tensor:
+    """The traced path: padded ``[B, S, H, D]`` tensors to the op. Reads nothing data-dependent.
+    ``forward``: the handle of the forward of a whole model compiled (:func:`forward_op`)."""
     if opts.dropout_p:
         raise InputValueError(
             f"dropout_p must be 0 under torch.compile (a recomputed backward would draw a "
@@ -278,15 +320,16 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
         scale = execution.kernel_scale(q, opts)
+        short_rows = bool(k.shape[1] <= TRACED_FIRST_MAX_KEYS)  # under dynamic shapes: a guard on this only
         chosen = _traceable_backend(policy.backend, q.dtype, q.device.type, q.device.index, q.shape[2], k.shape[2],
-                                    q.shape[-1], v.shape[-1], scale)
+                                    q.shape[-1], v.shape[-1], scale, short_rows)
         if chosen:
             return _in_graph_attention(q, k, v, mask, chosen, scale, convention=convention, opts=opts, policy=policy)
     roots, derivation = traced_signature(mask)
     out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token, roots, derivation,
                              None if opts.scale is None else float(opts.scale), bool(opts.causal),
                              bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask,
-                             policy.model)
+                             policy.model, forward)
     return out
 
 
@@ -512,14 +555,16 @@ class InGraphDeclined(VarlenAttnError):
 
 @torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
 def _traceable_backend(backend: str, dtype, device_type: str, device_index, hq: int, hk: int, d: int, dv: int,
-                       scale: float) -> str:
-    """The backend ``backend`` selects for inputs of this kind when its kernel traces, else ""."""
+                       scale: float, short_rows: bool) -> str:
+    """The backend ``backend`` selects for inputs of this kind in a compiled block's graph (auto:
+    in :func:`varlen_attn.kernels.in_graph_priority`'s order) when the in-graph route can call
+    its kernel, else ""."""
     device = torch.device(device_type, device_index)
     q = torch.empty((1, hq, d), dtype=dtype, device=device)
     k, v = q.new_empty((1, hk, d)), q.new_empty((1, hk, dv))
     probe = VarlenPlan(batch_size=1, seqlen_q=1, seqlen_k=1, packable=True, device=device)
     try:
-        impl = select(VarlenInputs(q, k, v, probe, scale), backend)
+        impl = select(VarlenInputs(q, k, v, probe, scale), backend, in_graph_priority(device, short_rows))
     except BackendUnavailableError:
         return ""  # the general route says why, where it matters
     # The kernel op runs packed rows in the static layout: a backend with its own entry points
@@ -576,11 +621,13 @@ def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[
     """The call's plan in the static layout, for the in-graph route running backend ``chosen``;
     raises :class:`InGraphDeclined` where that route cannot run it (see above)."""
     with torch._C.DisableTorchFunction():
-        plan, r, _, _ = _forward_state(q, k, v, mask, None, roots, derivation, scale, False, gqa, backend, strict,
-                                       convention, float_mask, model, current_scope())
+        plan, r, _, opts = _forward_state(q, k, v, mask, None, roots, derivation, scale, False, gqa, backend, strict,
+                                          convention, float_mask, model, current_scope())
         if r.impl is None:
             raise InGraphDeclined(f"masked SDPA runs this mask ({r.reason or 'asked for'})")
-        if r.impl.NAME != chosen:
+        # Under auto the graph's pick may differ from the general route's (kernels.in_graph_priority):
+        # it runs where it can run this plan.
+        if r.impl.NAME != chosen and not (backend == "auto" and execution.runs(q, k, v, plan, r.scale, opts, chosen)):
             raise InGraphDeclined(f"backend {r.impl.NAME!r} runs this call, not {chosen!r}")
         layout = static_layout_of(plan)
         if layout is None:

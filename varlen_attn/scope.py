@@ -135,8 +135,11 @@ class Scope:
     them, and the model's mask inputs (``roots``, by argument name)."""
 
     def __init__(self, policy: Policy, tracking: str = MODE, watching: bool = False, adopts: bool = True,
-                 enclosing_frame=None):
+                 enclosing_frame=None, forward: torch.Tensor | None = None):
         self.policy = policy
+        # A whole model compiled: this scope is traced, and ``forward`` is the handle of the scope
+        # that holds the plans at run time (varlen_attn.op.forward_op), handed to attention.
+        self.forward = forward
         self.tracking = tracking
         # Checkpoints the model does not wrap (varlen_attn.hook.adopt_checkpoint): ``adopts`` says
         # whether this scope makes their recomputations re-enter it (not a processor's one-call
@@ -319,6 +322,13 @@ def trace_derive(func, args, kwargs, out) -> None:
                 return
     if has_tensor or is_factory(func):
         setattr(out, TRACED, (name, func in _LIKE, tuple(args), tuple(sorted(kwargs.items()))))
+
+
+def trace_root(t: torch.Tensor) -> None:
+    """While tracing a whole model compiled: ``t`` is a mask input, where derivations start (at
+    run time the forward's scope keys it, varlen_attn.op.forward_op). As an eager scope marks
+    its roots, the caller's tensor keeps the mark."""
+    setattr(t, KEYED, True)
 
 
 def trace_forget(t) -> None:

@@ -32,7 +32,8 @@ BACKENDS: dict[str, Backend] = {
 # varlen kernel, which beat one dense SDPA call per segment in the LoRA training step
 # (benchmarks/train_step.py, Chroma full depth, H200: 1948 against 1974 ms at 1024 px, 646
 # against 659 at 512 px); FA2 after them.
-# One order for every row length: in six side-by-side H100 step measurements at 512 px
+# One order for every row length eagerly and on the custom op (compiled blocks before attention
+# ran in their graph; for the graph, see TRACED_FIRST below): in six side-by-side H100 step measurements at 512 px
 # (torch 2.11, FA4 4.0.0b36) FA4 beat `torch` four times (eager 748/852 and 759/833 ms, blocks
 # compiled 556/700 and 584/605) and lost twice (eager 856/792, compiled 1092/654), and FA4 won
 # every 1024 px cell (eager 1890/2159, compiled 1690/1753). A short-row rule (torch first below
@@ -47,19 +48,51 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 }
 
 
+# Compiled blocks (varlen_attn.op, "In the graph"): a kernel that traces (`torch`) runs inside
+# the block's graph with no Python at run time; one with its own entry points (FA4) runs in an
+# opaque op whose Python interface is host time on every call (forward, recomputation, backward).
+# At short rows the compiled step is host-bound and the traced kernel wins; at long rows FA4's
+# faster kernel does. Training step, H100, torch 2.11, FA4 4.0.0b36, full depth, LoRA,
+# checkpointing, every block compiled, in-graph FA4 / in-graph `torch` against stock compiled:
+# Chroma 512 px (1536 keys) 1.00x / 1.06x (3 rounds; `torch` ahead in every round) and 0.81x /
+# 0.89x (1 round, another machine); Qwen-Image 512 px (1536 keys) 0.98x / 1.12x (3 rounds);
+# Chroma 1024 px (4608 keys) 1.43x / 1.19x (1 round). Eagerly FA4 stays ahead at 512 px (Chroma
+# 1.09x / 1.06x). So in compiled blocks auto takes a kernel that traces first where rows have at
+# most TRACED_FIRST_MAX_KEYS keys, on the device class where this was measured (Hopper and newer);
+# between 1536 and 4608 keys nothing was measured.
+TRACED_FIRST_MAX_KEYS = 2048
+TRACED_FIRST: dict[str, tuple[str, ...]] = {"cuda_sm90": ("torch",)}
+
+
+def in_graph_priority(device: torch.device, short_rows: bool) -> tuple[str, ...]:
+    """auto's order for attention in a compiled block's graph: :func:`priority`, with the traced
+    kernels of :data:`TRACED_FIRST` moved first where ``short_rows`` (at most
+    ``TRACED_FIRST_MAX_KEYS`` keys)."""
+    order = priority(device)
+    first = TRACED_FIRST.get(_device_class(device), ()) if short_rows else ()
+    return first + tuple(n for n in order if n not in first)
+
+
 @functools.lru_cache(maxsize=None)
 def _cuda_class(index: int) -> str:
     return "cuda_sm90" if torch.cuda.get_device_capability(index) >= (9, 0) else "cuda"
 
 
-def priority(device: torch.device) -> tuple[str, ...]:
-    """auto's order for ``device``."""
+def _device_class(device: torch.device) -> str | None:
+    """The key of ``device`` in :data:`PRIORITY` (None: CUDA absent, or a type not listed)."""
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            return ()
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        return PRIORITY[_cuda_class(idx)]
-    return PRIORITY.get(device.type, tuple(BACKENDS))
+            return None
+        return _cuda_class(device.index if device.index is not None else torch.cuda.current_device())
+    return device.type if device.type in PRIORITY else None
+
+
+def priority(device: torch.device) -> tuple[str, ...]:
+    """auto's order for ``device``."""
+    cls = _device_class(device)
+    if cls is None:
+        return () if device.type == "cuda" else tuple(BACKENDS)
+    return PRIORITY[cls]
 
 ENV_VAR = "VARLEN_ATTN_BACKEND"
 SDPA = "sdpa"  # masked SDPA on the padded tensors; the adapters run it, not a varlen backend
@@ -76,8 +109,9 @@ def requested_backend(backend: str | None) -> str:
     return name
 
 
-def select(inp: VarlenInputs, name: str) -> Backend:
-    """The backend that runs ``inp``: ``name`` itself, or for ``"auto"`` the first that fits."""
+def select(inp: VarlenInputs, name: str, order: tuple[str, ...] | None = None) -> Backend:
+    """The backend that runs ``inp``: ``name`` itself, or for ``"auto"`` the first that fits, in
+    ``order`` (default: :func:`priority` of the device)."""
     if name != "auto":
         reasons = BACKENDS[name].not_supported_reasons(inp)
         if reasons:
@@ -86,7 +120,7 @@ def select(inp: VarlenInputs, name: str) -> Backend:
             )
         return BACKENDS[name]
     why = {}
-    for candidate in priority(inp.q.device):
+    for candidate in priority(inp.q.device) if order is None else order:
         reasons = BACKENDS[candidate].not_supported_reasons(inp)
         if not reasons:
             return BACKENDS[candidate]
@@ -102,4 +136,5 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
             if BACKENDS[n].installed() and device.type in BACKENDS[n].SUPPORTED_DEVICES]
 
 
-__all__ = ["BACKENDS", "PRIORITY", "Backend", "VarlenInputs", "available_backends", "priority", "select"]
+__all__ = ["BACKENDS", "PRIORITY", "TRACED_FIRST", "TRACED_FIRST_MAX_KEYS", "Backend", "VarlenInputs", "available_backends",
+           "in_graph_priority", "priority", "select"]
