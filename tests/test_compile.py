@@ -319,10 +319,12 @@ def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(cpu_
     plans_per_graph = []
 
     def forward_compiler(gm, _inputs):
-        # (attention ops, distinct plans they take, the plans' own scatters: one per side)
+        # (attention ops, distinct plans they take, the plans' own scatters: one per side, and the
+        # ops that make a forward's run-time scope: none, no op here reads the host)
         ops = [n for n in gm.graph.nodes if n.target is torch.ops.varlen_attn.static_attention.default]
         scatters = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scatter.src]
-        plans_per_graph.append((len(ops), len({n.args[3] for n in ops}), len(scatters)))
+        handles = [n for n in gm.graph.nodes if str(n.target).startswith("varlen_attn.forward")]
+        plans_per_graph.append((len(ops), len({n.args[3] for n in ops}), len(scatters), len(handles)))
         return gm
 
     # Inductor's partitioner, which merges equal subexpressions.
@@ -337,7 +339,7 @@ def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(cpu_
         assert st["backends"] == {"reference": CHROMA_ATTN_LAYERS} and not st["fallbacks"], st
         grads = {name.replace("_orig_mod.", ""): g for name, g in grads.items()}
         assert_model_close((out, grads), step(stock, inputs), what=f"{lengths}")
-    assert plans_per_graph == [(CHROMA_ATTN_LAYERS, 1, 2)], plans_per_graph
+    assert plans_per_graph == [(CHROMA_ATTN_LAYERS, 1, 2, 0)], plans_per_graph
 
 
 def test_cuda_graph_path_with_dynamic_shapes_compiles_once(cpu_as_cuda):
@@ -549,3 +551,40 @@ def test_compiled_blocks_under_hooks_that_copy_saved_tensors_equal_stock(checkpo
         with CopySaved():
             want = step(stock, inputs)
         assert_model_close(got, want, what=f"{lengths}")
+
+
+class _TwoMasks(torch.nn.Module):
+    """Two attention layers whose masks the forward makes from ``lengths``, not from its mask
+    input: of one shape, different values, of unknown derivation (the second also depends on an
+    activation), so the compiled graph holds them in buffers that inductor may reuse."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.p1, self.p2 = (torch.nn.Linear(H * D, 3 * H * D, dtype=torch.float64) for _ in range(2))
+
+    def attend(self, x, m, p):
+        q, k, v = p(x).view(B, S, 3, H, D).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m).transpose(1, 2).reshape(B, S, H * D)
+
+    def forward(self, x, attention_mask, lengths):
+        m1 = (torch.arange(S) < lengths[:, None])[:, None, None, :]
+        h = x + self.attend(x, m1, self.p1)
+        m2 = (torch.arange(S) < (lengths.flip(0) + (h.sum() * 0).long())[:, None])[:, None, None, :]
+        return h + self.attend(h, m2, self.p2)
+
+
+def test_masks_of_unknown_derivation_in_a_compiled_graph_get_their_own_plans():
+    """The whole model compiled by inductor, two masks of one shape and different values made in
+    the graph from something other than the mask input: each gets its own plan. (With the
+    forward's run-time scope keying such masks by their tensor object, the second mask, in a
+    buffer inductor reused from the first, took the first's plan: 0.9 off stock.)"""
+    x = torch.randn(B, S, H * D, dtype=torch.float64)
+    mask, lengths = torch.ones(B, S, dtype=torch.bool), torch.tensor([3, 12, 7])
+    with torch.no_grad():
+        want = _TwoMasks()(x, mask, lengths)
+        compiled = torch.compile(va.enable_varlen(_TwoMasks()), fullgraph=True, backend="inductor")
+        va.reset_stats()
+        got = compiled(x, mask, lengths)
+    assert va.stats()["plan_builds"] == 2, va.stats()
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)

@@ -92,6 +92,8 @@ def test_chroma_whole_model_compiled_plans_once_per_step(checkpointing):
             ours = _strip(step(run, inputs))
             st = va.stats()
             assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and st["fallbacks"] == {}, (lengths, st)
+            calls = CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)
+            assert sum(st["backends"].values()) == calls and "sdpa" not in st["backends"], (lengths, st)
             assert_model_close(ours, ref, baseline=_strip(step(stock, inputs)), what=f"{lengths}")
     finally:
         torch.compiler.reset()

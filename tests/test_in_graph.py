@@ -419,27 +419,30 @@ def test_the_routes_choice_of_kernel_is_a_constant_while_tracing(name):
     assert torch.equal(torch.compile(f, fullgraph=True, backend="eager")(x), x + 1)
 
 
-@pytest.mark.parametrize("short", [True, False])
-def test_auto_takes_the_traced_kernel_first_in_the_graph_at_short_rows(short, monkeypatch):
+@pytest.mark.parametrize("case", ["short", "long", "explicit"])
+def test_auto_takes_the_traced_kernel_first_in_the_graph_at_short_rows(case, monkeypatch):
     """auto in compiled blocks at rows of at most ``kernels.TRACED_FIRST_MAX_KEYS`` keys takes the
     device class's traced kernels first (``kernels.TRACED_FIRST``; measured on Hopper: ``torch``
-    before FA4), though its general order puts another first; at longer rows, the general order.
-    On the CPU: ``reference`` (traced) made the short-row pick, ahead of ``split_sdpa`` (the custom
-    op). The in-graph plan op lets auto's graph pick run where auto's general pick differs (it can
-    run the plan); equal to stock either way, and a mask the static layout cannot hold still
-    declines to the general route."""
+    before FA4), though its general order puts another first; at longer rows, the general order;
+    and a backend asked for by name is never replaced. On the CPU: ``reference`` (traced) made the
+    short-row pick, ahead of ``split_sdpa`` (the custom op). The in-graph plan op lets auto's
+    graph pick run where auto's general pick differs (it can run the plan); equal to stock in
+    every case, and a mask the static layout cannot hold still declines to the general route."""
+    short = case != "long"
     monkeypatch.setattr(va.kernels, "TRACED_FIRST", {"cpu": ("reference",)})
     monkeypatch.setattr(va.op, "TRACED_FIRST_MAX_KEYS", S if short else S - 1)
-    stock, model = _Model(["padding", "keys"]), va.enable_varlen(_Model(["padding", "keys"]))
+    backend = "split_sdpa" if case == "explicit" else None
+    stock, model = _Model(["padding", "keys"]), va.enable_varlen(_Model(["padding", "keys"]), backend=backend)
     compiler = Recording()
     for block in model.blocks:
         block.compile(fullgraph=True, backend=compiler)
+    traced = case == "short"
     for i, (lengths, image) in enumerate([((3, 6, 1), N), ((0, 2, 5), N), ((2, 0, 4), 0)]):
         mask = _mask(lengths, image)
         va.reset_stats()
         assert_model_close(_out_and_grads(model, _x(i), mask), _out_and_grads(stock, _x(i), mask),
                            what=f"{lengths} {image}")
         # The last batch has an element with no token at all: both blocks decline there.
-        want = {"reference": 2} if short and image else {"split_sdpa": 2}
+        want = {"reference": 2} if traced and image else {"split_sdpa": 2}
         assert va.stats()["backends"] == want, (lengths, image, va.stats())
-    assert all((IN_GRAPH_OP in g) == short for g in compiler.graphs[:2]), compiler.graphs
+    assert all((IN_GRAPH_OP in g) == traced for g in compiler.graphs[:2]), compiler.graphs

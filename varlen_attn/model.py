@@ -29,7 +29,7 @@ from . import _stats
 from ._errors import InputTypeError, describe
 from .hook import (TrackedMask, VarlenHook, active, adopt_checkpoint, checkpoint_frame, hidden, hidden_scope, hooked,
                    plain, tracked)
-from .op import InGraphDeclined, forward_op, fullgraph_traced, refuse_unsupported_compile
+from .op import InGraphDeclined, forward_scope, fullgraph_traced, refuse_unsupported_compile
 from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope, trace_root
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
@@ -609,7 +609,7 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     # The run-time scope of this forward (op.forward_op): one plan per mask, one host read.
     for t in masks:
         trace_root(t)
-    forward = forward_op(masks) if masks else None
+    forward = forward_scope(masks)
     swapped = []
     for module in state.checkpointed:
         func = module.__dict__.get("_gradient_checkpointing_func")

@@ -35,6 +35,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError, VarlenAttnError
@@ -150,6 +151,15 @@ def _(masks):
     return torch.empty(1, dtype=torch.int64)
 
 
+def forward_scope(masks: list[Tensor]) -> Tensor | None:
+    """While tracing the forward of a whole model compiled: the handle of its run-time scope
+    (:func:`forward_op`) from its mask inputs ``masks``; None where no op of the forward takes one
+    (no mask input; a graph CUDA graphs capture, whose attention plans inside the graph)."""
+    if not masks or (masks[0].device.type in CAPTURED_DEVICES and _cuda_graphs_traced()):
+        return None
+    return forward_op(masks)
+
+
 def _scope_of(forward: Tensor | None, thread: bool = True) -> Scope | None:
     """The scope an attention op keeps its plans in: its forward's (``forward``, a handle of
     :func:`forward_op`) while that lives, else (``thread``) the thread's (eager forwards around
@@ -199,7 +209,7 @@ def _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, 
             "the plan passed to attention was freed before the compiled call ran")
     plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                         device=q.device, convention=convention, policy=policy, plan=plan, scope=scope,
-                        roots=roots, derivation=derivation)
+                        roots=roots, derivation=derivation, graph=True)
     mask4 = execution.mask4_of(mask, q, k, convention)
     with compiled_graph():
         r = execution.route(q, k, v, plan, mask4, opts, policy)
@@ -320,7 +330,8 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
         scale = execution.kernel_scale(q, opts)
-        short_rows = bool(k.shape[1] <= TRACED_FIRST_MAX_KEYS)  # under dynamic shapes: a guard on this only
+        # Known short only: a symbolic length (dynamic shapes) gets no guard, and the general order.
+        short_rows = policy.backend == "auto" and statically_known_true(k.shape[1] <= TRACED_FIRST_MAX_KEYS)
         chosen = _traceable_backend(policy.backend, q.dtype, q.device.type, q.device.index, q.shape[2], k.shape[2],
                                     q.shape[-1], v.shape[-1], scale, short_rows)
         if chosen:

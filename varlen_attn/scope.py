@@ -464,6 +464,7 @@ def resolve_plan(
     scope: Scope | None = None,
     roots: list | None = None,
     derivation: str = "",
+    graph: bool = False,
 ) -> VarlenPlan | None:
     """The plan an attention call runs with, or None for a call without a mask that runs plain
     SDPA (:attr:`Policy.unmasked_is_sdpa`).
@@ -471,7 +472,10 @@ def resolve_plan(
     In order: the caller's ``plan``; for no mask, None or the all-valid plan; the plan ``scope``
     already built for a mask with the same derivation key (for a call in compiled code, the
     traced ``derivation`` from ``roots``: :func:`traced_signature`); else :func:`build_plan` (cached by
-    mask object). A float 0/1 mask is read as boolean when ``policy.float_mask`` is ``"bool"``
+    mask object). ``graph``: the call comes from a compiled graph, whose compiler reuses a dead
+    buffer's tensor object for a later buffer without bumping its version: there a mask is keyed
+    by its derivation or as a tensor the scope keyed itself (a root, a tensor of the eager forward),
+    never by its object, and a mask of unknown derivation gets the value-checked cache. A float 0/1 mask is read as boolean when ``policy.float_mask`` is ``"bool"``
     (one warning per process) and refused under ``"error"``; ``"bias"`` keeps SDPA's reading.
     """
     if plan is not None:
@@ -487,7 +491,7 @@ def resolve_plan(
         if key is None and derivation:
             keys = tuple(scope.key_of(r) or scope.key_object(r) for r in roots)
             key = keys[0] if derivation == "r0" else ("traced", derivation, keys)
-        if key is None:
+        if key is None and not graph:
             key = scope.key_object(mask)
     pkey = None if key is None else (key, batch, heads, seqlen_q, seqlen_k, convention, as_bool, str(mask.device))
     found = scope.plans.get(pkey) if pkey is not None else None

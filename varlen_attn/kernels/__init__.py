@@ -59,7 +59,8 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 # Chroma 1024 px (4608 keys) 1.43x / 1.19x (1 round). Eagerly FA4 stays ahead at 512 px (Chroma
 # 1.09x / 1.06x). So in compiled blocks auto takes a kernel that traces first where rows have at
 # most TRACED_FIRST_MAX_KEYS keys, on the device class where this was measured (Hopper and newer);
-# between 1536 and 4608 keys nothing was measured.
+# between 1536 and 4608 keys nothing was measured. A length dynamo traces as a symbol (dynamic
+# shapes) counts as long: the choice adds no guard.
 TRACED_FIRST_MAX_KEYS = 2048
 TRACED_FIRST: dict[str, tuple[str, ...]] = {"cuda_sm90": ("torch",)}
 
