@@ -147,6 +147,22 @@ def test_compile_below_the_supported_torch_refuses_clearly(mode, monkeypatch, fr
         run()
 
 
+def _step_reading_once(model, inputs, reads, index):
+    """A training step (``_models.step``) that builds one plan and reads the host once, counted
+    by the library and by every host read of tensor values (``reads``); the first step
+    (``index`` 0) compiles, and the compiler reads values of its own. Returns its result and
+    ``va.stats()``."""
+    from _models import step
+
+    va.reset_stats()
+    with reads:
+        got = step(model, inputs)
+    st = va.stats()
+    assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (index, st)
+    assert index == 0 or reads.calls == ["tolist"], (index, reads.calls)
+    return got, st
+
+
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, backend, monkeypatch):
@@ -168,13 +184,7 @@ def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, back
     reads = HostReads(monkeypatch)
     for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2), (0, 0, 0)]):
         inputs = chroma_inputs(lengths, seed=i)
-        va.reset_stats()
-        with reads:
-            got = step(model, inputs)
-        st = va.stats()
-        assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (lengths, st)
-        # The first step compiles: the compiler reads values of its own.
-        assert i == 0 or reads.calls == ["tolist"], (lengths, reads.calls)
+        got, st = _step_reading_once(model, inputs, reads, i)
         assert sum(st["backends"].values()) >= CHROMA_ATTN_LAYERS and not st["fallbacks"], st
         assert_model_close(got, step(stock, inputs), what=f"{lengths}")
     assert len(compiler.graphs) == 2, "a new mask recompiled"
@@ -219,13 +229,7 @@ def test_a_whole_model_compiled_syncs_the_host_at_most_once_per_step(name, check
     reads = HostReads(monkeypatch)
     for i in range(4 if compiler == "aot_eager" else 2):
         _, inputs, _ = _whole_model_case(name, i)
-        va.reset_stats()
-        with reads:
-            got = step(run, inputs)
-        st = va.stats()
-        assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (i, st)
-        # The first step compiles: the compiler reads values of its own.
-        assert i == 0 or reads.calls == ["tolist"], (i, reads.calls)
+        got, st = _step_reading_once(run, inputs, reads, i)
         assert sum(st["backends"].values()) == layers * (2 if checkpointing else 1) and not st["fallbacks"], st
         got = (got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()})
         baseline = None
