@@ -557,6 +557,30 @@ def test_compiled_blocks_under_hooks_that_copy_saved_tensors_equal_stock(checkpo
         assert_model_close(got, want, what=f"{lengths}")
 
 
+def test_a_whole_model_compiled_around_compiled_blocks_reads_the_host_once_per_step(monkeypatch):
+    """Blocks compiled on their own, an eager forward first (it installs their wrappers), then the
+    whole model compiled around them with checkpointing: dynamo inlines the blocks' wrappers,
+    whose hook takes the whole forward's run-time scope too (it read the host once per attention
+    call: 8 here); equal to eager stock; nothing of the trace is left on the model."""
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+
+    stock, model = tiny_chroma(), va.enable_varlen(tiny_chroma())
+    model.enable_gradient_checkpointing()
+    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+        block.compile(fullgraph=True, backend="aot_eager")
+    step(model, chroma_inputs((1, 1, 1), seed=9))  # eager: the compiled blocks get their wrappers
+    run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    reads = HostReads(monkeypatch)
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2)]):
+        inputs = chroma_inputs(lengths, seed=i)
+        got, st = _step_reading_once(run, inputs, reads, i)
+        assert sum(st["backends"].values()) == 2 * CHROMA_ATTN_LAYERS and not st["fallbacks"], st
+        got = (got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()})
+        assert_model_close(got, step(stock, inputs), what=f"{lengths}")
+    assert model._varlen_state.traced_forward is None
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
 class _TwoMasks(torch.nn.Module):
     """Two attention layers whose masks the forward makes from ``lengths``, not from its mask
     input: of one shape, different values, of unknown derivation (the second also depends on an

@@ -49,6 +49,8 @@ class _State:
         self.restore_checkpoint_mask = restore_checkpoint_mask
         self.in_graph = in_graph
         self.saved_backends: list[tuple[object, object]] = []
+        # While dynamo traces a whole model compiled: its forward's handle (op.forward_scope).
+        self.traced_forward = None
         self.entry: _Forward | None = None
         self.checkpointed: list[torch.nn.Module] = []
         # Compiled submodules given a _Boundary and a _BlockForward (undone by disable_varlen).
@@ -548,7 +550,9 @@ class _BlockForward(_InstanceForward):
         target = self._target()
         if torch.compiler.is_compiling():
             in_graph = self.in_graph and _traced_for_the_boundary()
-            with VarlenHook(Scope(self.state.policy(in_graph=in_graph))):
+            # Inlined into a whole model compiled around it: that forward's run-time scope.
+            forward = getattr(self.state, "traced_forward", None)
+            with VarlenHook(Scope(self.state.policy(in_graph=in_graph), forward=forward)):
                 return target(*args, **kwargs)
         scope = hidden_scope()
         if scope is None:
@@ -616,10 +620,14 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
         if func is not None:
             module._gradient_checkpointing_func = functools.partial(_traced_checkpoint, func, mask, state, forward)
             swapped.append((module, func))
+    # Compiled blocks inlined here (their _BlockForward installed by an eager forward) hand the
+    # handle on to the hook they enter; set while tracing only, as the checkpoint functions.
+    state.traced_forward = forward
     try:
         with VarlenHook(Scope(state.policy(), forward=forward)):
             return orig_forward(*args, **kwargs)
     finally:
+        state.traced_forward = None
         for module, func in swapped:
             module._gradient_checkpointing_func = func
 
