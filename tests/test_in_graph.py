@@ -430,7 +430,7 @@ def test_auto_takes_the_traced_kernel_first_in_the_graph_at_short_rows(case, mon
     every case, and a mask the static layout cannot hold still declines to the general route."""
     short = case != "long"
     monkeypatch.setattr(va.kernels, "TRACED_FIRST", {"cpu": ("reference",)})
-    monkeypatch.setattr(va.op, "TRACED_FIRST_MAX_KEYS", S if short else S - 1)
+    monkeypatch.setattr(va.kernels, "TRACED_FIRST_MAX_KEYS", S if short else S - 1)
     backend = "split_sdpa" if case == "explicit" else None
     stock, model = _Model(["padding", "keys"]), va.enable_varlen(_Model(["padding", "keys"]), backend=backend)
     compiler = Recording()

@@ -42,6 +42,10 @@ class _State:
     model's forward entry, no closure and no reference outside the model, so it deep-copies and
     pickles with the model."""
 
+    # While dynamo traces a whole model compiled: its forward's handle (op.forward_scope). A
+    # class default: states pickled before it existed read None.
+    traced_forward = None
+
     def __init__(self, backend, strict, float_mask, restore_checkpoint_mask, in_graph=True):
         self.backend = backend
         self.strict = strict
@@ -49,8 +53,6 @@ class _State:
         self.restore_checkpoint_mask = restore_checkpoint_mask
         self.in_graph = in_graph
         self.saved_backends: list[tuple[object, object]] = []
-        # While dynamo traces a whole model compiled: its forward's handle (op.forward_scope).
-        self.traced_forward = None
         self.entry: _Forward | None = None
         self.checkpointed: list[torch.nn.Module] = []
         # Compiled submodules given a _Boundary and a _BlockForward (undone by disable_varlen).
@@ -550,9 +552,7 @@ class _BlockForward(_InstanceForward):
         target = self._target()
         if torch.compiler.is_compiling():
             in_graph = self.in_graph and _traced_for_the_boundary()
-            # Inlined into a whole model compiled around it: that forward's run-time scope.
-            forward = getattr(self.state, "traced_forward", None)
-            with VarlenHook(Scope(self.state.policy(in_graph=in_graph), forward=forward)):
+            with VarlenHook(_traced_scope(self.state, in_graph)):
                 return target(*args, **kwargs)
         scope = hidden_scope()
         if scope is None:
@@ -608,8 +608,9 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     checkpointed blocks given back their mask and the hook (:func:`_traced_checkpoint`). The
     recomputation is part of the compiled graph, so it needs no scope to re-enter. The checkpoint functions are swapped while tracing only:
     the compiled code holds the traced calls, and no module is left changed."""
-    mask = _argument(type(model), "attention_mask", args, kwargs) if state.restore_checkpoint_mask else None
-    masks = [t for _, _, t in _mask_arguments(_arguments(type(model), args, kwargs))]
+    arguments = _arguments(type(model), args, kwargs)
+    mask = arguments.get("attention_mask") if state.restore_checkpoint_mask else None
+    masks = [t for _, _, t in _mask_arguments(arguments)]
     # The run-time scope of this forward (op.forward_op): one plan per mask, one host read.
     for t in masks:
         trace_root(t)
@@ -618,13 +619,14 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     for module in state.checkpointed:
         func = module.__dict__.get("_gradient_checkpointing_func")
         if func is not None:
-            module._gradient_checkpointing_func = functools.partial(_traced_checkpoint, func, mask, state, forward)
+            module._gradient_checkpointing_func = functools.partial(_traced_checkpoint, func, mask, state)
             swapped.append((module, func))
-    # Compiled blocks inlined here (their _BlockForward installed by an eager forward) hand the
-    # handle on to the hook they enter; set while tracing only, as the checkpoint functions.
+    # Every hook entered while this forward is traced takes its handle (_traced_scope): this one,
+    # the checkpointed blocks' and that of compiled blocks inlined here (their _BlockForward
+    # installed by an eager forward). Set while tracing only, as the checkpoint functions.
     state.traced_forward = forward
     try:
-        with VarlenHook(Scope(state.policy(), forward=forward)):
+        with VarlenHook(_traced_scope(state)):
             return orig_forward(*args, **kwargs)
     finally:
         state.traced_forward = None
@@ -648,36 +650,31 @@ def _mask_arguments(arguments: dict) -> list[tuple[str, str, torch.Tensor]]:
             if "mask" in str(sub) and isinstance(t, torch.Tensor)]
 
 
-def _argument(cls, name: str, args, kwargs):
-    """The argument ``name`` of a call of ``cls.forward``, by keyword or by position; None where
-    not given. By the cached parameter names (:func:`_param_names`): dynamo traces this."""
-    if name in kwargs:
-        return kwargs[name]
-    params = _param_names(cls)
-    if params is None or name not in params or params.index(name) >= len(args):
-        return None
-    return args[params.index(name)]
+def _traced_scope(state: _State, in_graph: bool = False) -> Scope:
+    """The scope of a hook entered inside traced code: the policy only, and the handle of the
+    run-time scope of the whole model's forward being traced, if any (``state.traced_forward``)."""
+    return Scope(state.policy(in_graph=in_graph), forward=state.traced_forward)
 
 
-def _traced_checkpoint(func, mask, state: _State, forward, block, *args, **kwargs):
+def _traced_checkpoint(func, mask, state: _State, block, *args, **kwargs):
     """A checkpointed block as dynamo traces it: its mask given back, and the hook entered inside
     the checkpointed function, whose body dynamo traces as a higher-order op's, without the
-    modes active around it (attention there ran stock SDPA), with the forward's run-time scope
-    (``forward``), which its recomputation in backward takes too."""
+    modes active around it (attention there ran stock SDPA), with the forward's run-time scope,
+    which its recomputation in backward takes too."""
     if isinstance(block, torch.nn.Module) and isinstance(mask, torch.Tensor):
         args = _restore_mask(block, args, kwargs, mask)
-    return func(_Hooked(block, state, forward), *args, **kwargs)
+    return func(_Hooked(block, state), *args, **kwargs)
 
 
 class _Hooked:
     """A checkpointed block under the hook (see _traced_checkpoint); an object with ``__call__``,
     which diffusers' checkpoint helper calls."""
 
-    def __init__(self, block, state: _State, forward=None):
-        self.block, self.state, self.forward = block, state, forward
+    def __init__(self, block, state: _State):
+        self.block, self.state = block, state
 
     def __call__(self, *args, **kwargs):
-        with VarlenHook(Scope(self.state.policy(), forward=self.forward)):
+        with VarlenHook(_traced_scope(self.state)):
             return self.block(*args, **kwargs)
 
     def __getattr__(self, name):  # a checkpoint function that reads the block (``m.training``)

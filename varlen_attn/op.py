@@ -35,12 +35,11 @@ from typing import Optional
 
 import torch
 from torch import Tensor
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError, VarlenAttnError
 from .execution import Options
-from .kernels import BACKENDS, TRACED_FIRST_MAX_KEYS, VarlenInputs, in_graph_priority, select
+from .kernels import BACKENDS, VarlenInputs, in_graph_priority, rows_are_short, select
 from .kernels._base import compiled_graph
 from .pack import gather_rows, scatter_rows
 from .plan import (REASONS, STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool,
@@ -330,10 +329,9 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
         scale = execution.kernel_scale(q, opts)
-        # Known short only: a symbolic length (dynamic shapes) gets no guard, and the general order.
-        short_rows = policy.backend == "auto" and statically_known_true(k.shape[1] <= TRACED_FIRST_MAX_KEYS)
+        short = policy.backend == "auto" and rows_are_short(k.shape[1])
         chosen = _traceable_backend(policy.backend, q.dtype, q.device.type, q.device.index, q.shape[2], k.shape[2],
-                                    q.shape[-1], v.shape[-1], scale, short_rows)
+                                    q.shape[-1], v.shape[-1], scale, short)
         if chosen:
             return _in_graph_attention(q, k, v, mask, chosen, scale, convention=convention, opts=opts, policy=policy)
     roots, derivation = traced_signature(mask)

@@ -11,6 +11,7 @@ import functools
 import os
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._errors import BackendUnavailableError, InputValueError
 from ._base import Backend, VarlenInputs
@@ -63,6 +64,13 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 # shapes) counts as long: the choice adds no guard.
 TRACED_FIRST_MAX_KEYS = 2048
 TRACED_FIRST: dict[str, tuple[str, ...]] = {"cuda_sm90": ("torch",)}
+
+
+def rows_are_short(seqlen_k) -> bool:
+    """Rows of ``seqlen_k`` keys count as short for :func:`in_graph_priority`: known to be at
+    most ``TRACED_FIRST_MAX_KEYS`` (read while tracing; a symbolic length counts as long and
+    adds no guard)."""
+    return statically_known_true(seqlen_k <= TRACED_FIRST_MAX_KEYS)
 
 
 def in_graph_priority(device: torch.device, short_rows: bool) -> tuple[str, ...]:
@@ -138,4 +146,4 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
 
 
 __all__ = ["BACKENDS", "PRIORITY", "TRACED_FIRST", "TRACED_FIRST_MAX_KEYS", "Backend", "VarlenInputs", "available_backends",
-           "in_graph_priority", "priority", "select"]
+           "in_graph_priority", "priority", "rows_are_short", "select"]
