@@ -140,7 +140,10 @@ class VarlenHook(TorchFunctionMode):
                 return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy, forward=self.scope.forward)
         if torch.compiler.is_compiling():
             name = getattr(func, "__name__", "")
-            if args and isinstance(args[0], torch.Tensor) and getattr(torch.Tensor, name, None) is func:
+            # An op overload's name is dotted ("attention_v3.default"): no Tensor method, and
+            # torch 2.11's dynamo asserts on a getattr of a dotted name.
+            if (args and isinstance(args[0], torch.Tensor) and "." not in name
+                    and getattr(torch.Tensor, name, None) is func):
                 out = getattr(args[0], name)(*args[1:], **kwargs)
             else:
                 out = func(*args, **kwargs)
