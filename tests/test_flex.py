@@ -136,3 +136,81 @@ def test_flex_declines_inside_a_compiled_graph():
     with pytest.raises(va.BackendUnavailableError) as eager:
         va.attention(q, k, v, keep, backend="flex")
     assert "torch.compile graph" not in str(eager.value)
+
+
+def _padded_inputs(b=2, s=200, h=2, d=16, seed=0):
+    """Padded ``[B, S, H, D]`` q, k, v and the plan of a key-padding mask (the last quarter of
+    the first row padding)."""
+    keep = torch.ones(b, s, dtype=torch.bool)
+    keep[0, 3 * s // 4:] = False
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(b, s, h, d, generator=g) for _ in range(3))
+    return q, k, v, va.build_plan(keep, num_heads=h)
+
+
+def test_compiled_flex_refuses_to_run_eagerly():
+    """Where dynamo runs compiled code eagerly (here a stance; past its recompile limit likewise),
+    the compiled path raises instead of running FlexAttention's dense eager form."""
+    q, k, v, plan = _padded_inputs()
+    with torch.compiler.set_stance("force_eager"):
+        with pytest.raises(va.BackendUnavailableError,
+                           match=r"backend 'flex' cannot run dtype torch.float32, head dim 16 .*"
+                                 r"FlexAttention did not compile .*force_eager.*"
+                                 r"Raise torch._dynamo.config.recompile_limit .*or pick another backend"):
+            flex.flex_padded(q, k, v, plan, 0.25)
+
+
+def test_call_classes_compile_apart():
+    """Each call class (dtype, head dims, heads, device, scale, grad) gets its own compiled
+    function with its own code object, so dynamo's recompile limit counts per class; one class
+    gets the same function every time."""
+    q, k, v = (t.transpose(1, 2) for t in _padded_inputs()[:3])
+    key = flex._call_class(q, k, v, 0.25, False)
+    others = [flex._call_class(q.double(), k.double(), v.double(), 0.25, False),
+              flex._call_class(q, k, v, 0.5, False),
+              flex._call_class(q.detach().requires_grad_(), k, v, 0.25, False)]
+    assert len({key, *others}) == 4
+    fns = [flex._compiled(c) for c in (key, *others)]
+    codes = {fn._torchdynamo_orig_callable.__code__ for fn in fns}
+    assert len(codes) == 4 and flex._compiled_flex_attention.__code__ not in codes
+    assert flex._compiled(key) is fns[0]
+
+
+def _double(x):
+    return x * 2
+
+
+def test_own_code_gives_a_copy_its_own_recompile_limit():
+    """The mechanism behind the call classes: dynamo keeps graphs and counts recompiles per code
+    object. With a limit of one graph, a copy past its limit runs eagerly (dynamo compiles
+    nothing more) while the other copy still compiles."""
+    from torch._dynamo.testing import CompileCounter
+
+    count_a, count_b = CompileCounter(), CompileCounter()
+    a = torch.compile(flex._own_code(_double, "double_a"), backend=count_a)
+    b = torch.compile(flex._own_code(_double, "double_b"), backend=count_b)
+    assert a._torchdynamo_orig_callable.__code__.co_name == "double_a"
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert torch.equal(a(torch.ones(2)), torch.full((2,), 2.0))
+        assert torch.equal(a(torch.ones(2, dtype=torch.float64)), torch.full((2,), 2.0, dtype=torch.float64))
+        assert count_a.frame_count == 1  # the second dtype ran eagerly: a's limit reached
+        b(torch.ones(2, dtype=torch.float64))
+        assert count_b.frame_count == 1  # b compiled all the same
+
+
+def test_compiled_flex_equals_eager_and_refuses_past_the_recompile_limit(fresh_dynamo):
+    """FlexAttention compiled by inductor on the CPU (forward; 16 s on 2 cores with a cold inductor
+    cache) equals its eager form; a call that would compile it once more past dynamo's recompile
+    limit raises."""
+    flex._compiled.cache_clear()
+    q, k, v, plan = _padded_inputs()
+    got = flex.flex_padded(q, k, v, plan, 0.25)
+    with warnings.catch_warnings():  # the eager kernel warns that it is slow, once
+        warnings.simplefilter("ignore", UserWarning)
+        want = flex.flex_padded(q, k, v, plan, 0.25, compiled=False)
+    torch.testing.assert_close(got, want)
+    q, k, v, plan = _padded_inputs(b=3, s=300)  # a new shape: dynamo would compile again
+    with torch._dynamo.config.patch(recompile_limit=1):
+        with pytest.raises(va.BackendUnavailableError,
+                           match=r"FlexAttention did not compile \(dynamo's recompile limit"):
+            flex.flex_padded(q, k, v, plan, 0.25)

@@ -8,7 +8,14 @@ a query and a key interact when their ids are equal and not -1. From those ids t
 tables are computed on the device (:func:`block_mask_of`): no dense ``Sq x Sk`` mask and no host
 read. Query rows in no segment come out as zeros, as SDPA's rows with no valid key.
 
-On CUDA the kernel is ``torch.compile(flex_attention)``, compiled once per shape and dtype;
+On CUDA the kernel is FlexAttention under ``torch.compile``, one compiled function per call
+class (dtype, head dims, head counts, device, scale, grad; :func:`_call_class`), each with a code
+object of its own: dynamo counts recompiles per code object, so the classes a process runs do
+not use up one ``recompile_limit`` together (64 classes kept, least recently used dropped).
+Where dynamo would run FlexAttention eagerly instead (its dense form: the whole score matrix
+and a host sync), because a class reached the recompile limit or a stance such as
+``torch.compiler.set_stance("force_eager")`` runs compiled code eagerly, the call raises
+``BackendUnavailableError``: an explicit backend never falls back silently.
 FlexAttention has no backward on the CPU, so ``auto`` never picks it there and the backend
 declares CUDA only (its forward runs on the CPU for tests: :func:`flex_padded`). Eager callers
 only: inside a ``torch.compile`` graph (varlen_attn's custom op) dynamo compiles nothing, so the
@@ -18,10 +25,13 @@ backend declares itself unable there and ``auto`` takes the next one.
 from __future__ import annotations
 
 import functools
+import re
+import types
 import weakref
 
 import torch
 
+from .._errors import BackendUnavailableError
 from ..pack import _side
 from ._base import Backend, VarlenInputs, inside_compiled_graph
 
@@ -101,26 +111,96 @@ def _mask_of(plan):
     return entry
 
 
-@functools.lru_cache(maxsize=1)
-def _compiled():
+def _own_code(fn, name: str):
+    """A copy of the function ``fn`` with a code object of its own, named ``name``. Dynamo keeps
+    its compiled graphs, and counts recompiles against ``recompile_limit``, per code object: a
+    second ``torch.compile`` of one function shares the first one's."""
+    code = fn.__code__.replace(co_name=name)
+    if hasattr(code, "co_qualname"):  # Python 3.11+
+        code = code.replace(co_qualname=name)
+    copy = types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
+
+
+def _not_compiled(q, v, scale, what: str) -> BackendUnavailableError:
+    """The error for a call that FlexAttention did not compile (``q``, ``v`` as ``[B, H, S, D]``)."""
+    return BackendUnavailableError(
+        f"backend 'flex' cannot run dtype {q.dtype}, head dim {q.shape[-1]} (values {v.shape[-1]}), "
+        f"{q.shape[1]} query / {v.shape[1]} key heads, scale {scale}: FlexAttention did not compile "
+        f"({what}), and its eager form would materialise the dense score matrix and sync with the "
+        f"host. Raise torch._dynamo.config.recompile_limit (now {_recompile_limit()}), or pick "
+        f"another backend."
+    )
+
+
+def _recompile_limit():
+    import torch._dynamo
+
+    config = torch._dynamo.config
+    return getattr(config, "recompile_limit", None) or getattr(config, "cache_size_limit", None)
+
+
+def _compiled_flex_attention(q, k, v, block_mask, scale, enable_gqa):
+    # Copied per call class by _compiled, each copy compiled. While dynamo traces this body
+    # is_compiling() is a constant True (nothing at run time); when the body runs eagerly instead,
+    # nothing compiled it.
+    if not torch.compiler.is_compiling():
+        raise _not_compiled(q, v, scale, "dynamo ran it eagerly: its recompile limit was reached, or a "
+                            "stance such as torch.compiler.set_stance('force_eager') or a disabled "
+                            "dynamo runs compiled code eagerly")
     from torch.nn.attention.flex_attention import flex_attention
 
-    # A model's shapes are fixed (one graph each); a second shape makes dynamo compile a graph
-    # with symbolic sizes, which serves every later one.
-    return torch.compile(flex_attention)
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+
+
+def _call_class(q, k, v, scale: float, gqa: bool) -> tuple:
+    """What makes dynamo compile FlexAttention again (``q``, ``k``, ``v`` as ``[B, H, S, D]``),
+    measured on torch 2.13: dtype, head dims and head counts (FlexAttention marks them static),
+    device, the softmax scale (a float that inductor specialises: every new value recompiled),
+    grad mode and which inputs need grad. Batch and sequence lengths are left to dynamo: a second
+    length makes a graph with symbolic sizes, which serves every later one."""
+    return (q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1], gqa, q.device, float(scale),
+            torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad)
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(key: tuple):
+    """``torch.compile`` of a copy of :func:`_compiled_flex_attention` with its own code object
+    for the call class ``key``: its own graphs and its own recompile limit, so the classes a
+    process runs do not use up one limit together."""
+    dtype, dq, dv, hq, hk, gqa, device, scale, *grad = key
+    name = re.sub(r"\W", "_", f"flex_attention_{str(dtype).split('.')[-1]}_d{dq}_{dv}_h{hq}_{hk}_{device}"
+                                f"_s{scale!r}_g{''.join(str(int(g)) for g in grad)}")
+    return torch.compile(_own_code(_compiled_flex_attention, name), fullgraph=True)
+
+
+def _recompile_limit_errors() -> tuple:
+    # fullgraph=True: where torch raises past the recompile limit instead of running eagerly
+    import torch._dynamo.exc as exc
+
+    names = ("FailOnRecompileLimitHit", "FailOnCacheLimitHit")  # the second: older torch
+    return tuple(getattr(exc, n) for n in names if hasattr(exc, n))
 
 
 def flex_padded(q, k, v, plan, scale: float, *, compiled: bool = True) -> torch.Tensor:
     """Padded ``[B, S, H, D]`` q, k, v -> ``[B, Sq, Hq, Dv]``: attention within the plan's
     segments, zeros at query positions in none. ``compiled`` False runs FlexAttention's eager
-    (reference) implementation, forward only on the CPU."""
-    from torch.nn.attention.flex_attention import flex_attention
-
+    (reference) implementation, forward only on the CPU; ``compiled`` True raises
+    ``BackendUnavailableError`` where FlexAttention would not compile (never its eager form)."""
     block_mask, rows = _mask_of(plan)
-    fn = _compiled() if compiled else flex_attention
     gqa = q.shape[2] != k.shape[2]
-    out = fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=block_mask, scale=scale,
-             enable_gqa=gqa)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if compiled:
+        try:
+            out = _compiled(_call_class(q, k, v, scale, gqa))(q, k, v, block_mask, scale, gqa)
+        except _recompile_limit_errors() as e:
+            raise _not_compiled(q, v, scale, "dynamo's recompile limit was reached for this call "
+                                "class") from e
+    else:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     # A query row with no key in any block comes out as whatever the kernel left: zeros, as SDPA.
     return out.masked_fill(~rows, 0).transpose(1, 2)
 
