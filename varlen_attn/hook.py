@@ -53,6 +53,15 @@ def _in_place(func) -> bool:
         return flag
 
 
+@torch.compiler.assume_constant_result  # a constant per function while dynamo traces the hook
+def _tensor_method(func) -> bool:
+    """``func`` is a method of ``torch.Tensor`` (re-issued as a method call while dynamo traces).
+    Not an op overload, whose name is dotted (``attention_v3.default``): torch 2.11's dynamo
+    asserts on a ``getattr`` of a dotted name."""
+    name = getattr(func, "__name__", "")
+    return "." not in name and getattr(torch.Tensor, name, None) is func
+
+
 def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     """Run ``func`` eagerly and key what it makes from keyed masks (:meth:`Scope.derive`);
     ``tracked``: a new keyed output becomes a :class:`TrackedMask`."""
@@ -139,12 +148,8 @@ class VarlenHook(TorchFunctionMode):
             with torch._C.DisableTorchFunctionSubclass():  # a tracked mask is plain in here
                 return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy, forward=self.scope.forward)
         if torch.compiler.is_compiling():
-            name = getattr(func, "__name__", "")
-            # An op overload's name is dotted ("attention_v3.default"): no Tensor method, and
-            # torch 2.11's dynamo asserts on a getattr of a dotted name.
-            if (args and isinstance(args[0], torch.Tensor) and "." not in name
-                    and getattr(torch.Tensor, name, None) is func):
-                out = getattr(args[0], name)(*args[1:], **kwargs)
+            if args and isinstance(args[0], torch.Tensor) and _tensor_method(func):
+                out = getattr(args[0], func.__name__)(*args[1:], **kwargs)
             else:
                 out = func(*args, **kwargs)
             if args and _in_place(func):
