@@ -161,18 +161,19 @@ def test_compiled_flex_refuses_to_run_eagerly():
 
 
 def test_call_classes_compile_apart():
-    """Each call class (dtype, head dims, heads, device, scale, grad) gets its own compiled
+    """Each call class (dtype, head dims, heads, device, scale, grad, shapes) gets its own compiled
     function with its own code object, so dynamo's recompile limit counts per class; one class
     gets the same function every time."""
     q, k, v = (t.transpose(1, 2) for t in _padded_inputs()[:3])
     key = flex._call_class(q, k, v, 0.25, False)
     others = [flex._call_class(q.double(), k.double(), v.double(), 0.25, False),
               flex._call_class(q, k, v, 0.5, False),
-              flex._call_class(q.detach().requires_grad_(), k, v, 0.25, False)]
-    assert len({key, *others}) == 4
+              flex._call_class(q.detach().requires_grad_(), k, v, 0.25, False),
+              flex._call_class(q, k[:, :, :100], v[:, :, :100], 0.25, False)]  # another key length
+    assert len({key, *others}) == 5
     fns = [flex._compiled(c) for c in (key, *others)]
     codes = {fn._torchdynamo_orig_callable.__code__ for fn in fns}
-    assert len(codes) == 4 and flex._compiled_flex_attention.__code__ not in codes
+    assert len(codes) == 5 and flex._compiled_flex_attention.__code__ not in codes
     assert flex._compiled(key) is fns[0]
 
 
@@ -209,7 +210,8 @@ def test_compiled_flex_equals_eager_and_refuses_past_the_recompile_limit(fresh_d
         warnings.simplefilter("ignore", UserWarning)
         want = flex.flex_padded(q, k, v, plan, 0.25, compiled=False)
     torch.testing.assert_close(got, want)
-    q, k, v, plan = _padded_inputs(b=3, s=300)  # a new shape: dynamo would compile again
+    # The same class (shapes included) with other strides: dynamo would compile again.
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
     with torch._dynamo.config.patch(recompile_limit=1):
         with pytest.raises(va.BackendUnavailableError,
                            match=r"FlexAttention did not compile \(dynamo's recompile limit"):

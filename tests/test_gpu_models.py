@@ -189,15 +189,21 @@ def _cuda_graph_blocks(model, checkpointing):
     return model
 
 
-def test_chroma_blocks_under_cuda_graphs_with_a_new_mask_each_step():
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_chroma_blocks_under_cuda_graphs_with_a_new_mask_each_step(backend, monkeypatch):
     """mode="reduce-overhead": every block captured in CUDA graphs and replayed with a new mask
     each step at the same shapes. Each step equals the stock model run eagerly on the same batch
     (within 2x stock's own bf16 error); once the graphs are recorded, a step runs none of
     varlen_attn's Python (no plan built on the host, no host read): attention replays inside
-    the graphs."""
+    the graphs. The kernel's first backward in the process runs in the graphs' warm-up, as in a
+    trainer (a tensor the `torch` backend kept from there stopped the CUDA graph trees)."""
+    from varlen_attn.kernels import torch_varlen
+
+    monkeypatch.setattr(torch_varlen, "_no_dropout", {})
     torch.backends.cuda.enable_cudnn_sdp(False)
     stock = tiny_chroma(dtype=torch.bfloat16, device="cuda")
-    model = _cuda_graph_blocks(va.enable_varlen(tiny_chroma(dtype=torch.bfloat16, device="cuda")), False)
+    model = _cuda_graph_blocks(va.enable_varlen(tiny_chroma(dtype=torch.bfloat16, device="cuda"), backend=backend),
+                               False)
     try:
         for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (0, 6, 2), (3, 3, 3), (1, 7, 4), (0, 0, 0)]):
             ref = step(tiny_chroma(), chroma_inputs(lengths, seed=i))  # float64, CPU

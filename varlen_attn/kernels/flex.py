@@ -9,7 +9,7 @@ tables are computed on the device (:func:`block_mask_of`): no dense ``Sq x Sk`` 
 read. Query rows in no segment come out as zeros, as SDPA's rows with no valid key.
 
 On CUDA the kernel is FlexAttention under ``torch.compile``, one compiled function per call
-class (dtype, head dims, head counts, device, scale, grad; :func:`_call_class`), each with a code
+class (dtype, head dims, head counts, device, scale, grad, shapes; :func:`_call_class`), each with a code
 object of its own: dynamo counts recompiles per code object, so the classes a process runs do
 not use up one ``recompile_limit`` together (64 classes kept, least recently used dropped).
 Where dynamo would run FlexAttention eagerly instead (its dense form: the whole score matrix
@@ -158,10 +158,14 @@ def _call_class(q, k, v, scale: float, gqa: bool) -> tuple:
     """What makes dynamo compile FlexAttention again (``q``, ``k``, ``v`` as ``[B, H, S, D]``),
     measured on torch 2.13: dtype, head dims and head counts (FlexAttention marks them static),
     device, the softmax scale (a float that inductor specialises: every new value recompiled),
-    grad mode and which inputs need grad. Batch and sequence lengths are left to dynamo: a second
-    length makes a graph with symbolic sizes, which serves every later one."""
+    grad mode and which inputs need grad; and the batch size and sequence lengths: each class is
+    compiled for static shapes (``dynamic=False``). With symbolic lengths inductor failed to lower
+    FlexAttention's backward where query and key lengths differ (H200, torch 2.11: cross-attention
+    cases of the GPU suite), so a new shape (a new resolution bucket) compiles once more, about
+    6-9 s on an H200, instead."""
     return (q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1], gqa, q.device, float(scale),
-            torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad)
+            torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+            q.shape[0], q.shape[2], k.shape[2])
 
 
 @functools.lru_cache(maxsize=64)
@@ -169,10 +173,10 @@ def _compiled(key: tuple):
     """``torch.compile`` of a copy of :func:`_compiled_flex_attention` with its own code object
     for the call class ``key``: its own graphs and its own recompile limit, so the classes a
     process runs do not use up one limit together."""
-    dtype, dq, dv, hq, hk, gqa, device, scale, *grad = key
+    dtype, dq, dv, hq, hk, gqa, device, scale, *grad, b, sq, sk = key
     name = re.sub(r"\W", "_", f"flex_attention_{str(dtype).split('.')[-1]}_d{dq}_{dv}_h{hq}_{hk}_{device}"
-                                f"_s{scale!r}_g{''.join(str(int(g)) for g in grad)}")
-    return torch.compile(_own_code(_compiled_flex_attention, name), fullgraph=True)
+                                f"_s{scale!r}_g{''.join(str(int(g)) for g in grad)}_b{b}_q{sq}_k{sk}")
+    return torch.compile(_own_code(_compiled_flex_attention, name), fullgraph=True, dynamic=False)
 
 
 def _recompile_limit_errors() -> tuple:

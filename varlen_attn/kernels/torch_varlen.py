@@ -53,8 +53,14 @@ def _dropout_args(device: torch.device):
     args = _no_dropout.get(device)
     if args is None:
         args = (torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device))
-        # Not kept when made during a CUDA graph capture: they would live in the graph's pool.
-        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        # Kept only when made on the device's default stream outside a capture. Inside a CUDA
+        # graph capture, and in the warm-up runs of inductor's CUDA graph trees (on the trees'
+        # own stream, every allocation of the thread going to the graphs' pool), a kept pair
+        # would be a live tensor in the pool that no graph output owns: the trees stop with
+        # "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs" (H200, torch 2.11,
+        # when the first backward of a process ran there).
+        if device.type != "cuda" or (not torch.cuda.is_current_stream_capturing()
+                                     and torch.cuda.current_stream(device) == torch.cuda.default_stream(device)):
             _no_dropout[device] = args
     return args
 
