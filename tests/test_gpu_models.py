@@ -84,19 +84,8 @@ def test_chroma_whole_model_compiled_plans_once_per_step(checkpointing):
     if checkpointing:
         model.enable_gradient_checkpointing()
     run = torch.compile(model, fullgraph=True)
-    try:
-        for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (0, 0, 0), (1, 7, 4)]):
-            ref = step(tiny_chroma(), chroma_inputs(lengths, seed=i))  # float64, CPU
-            inputs = chroma_inputs(lengths, seed=i, dtype=torch.bfloat16, device="cuda")
-            va.reset_stats()
-            ours = _strip(step(run, inputs))
-            st = va.stats()
-            assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and st["fallbacks"] == {}, (lengths, st)
-            calls = CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)
-            assert sum(st["backends"].values()) == calls and "sdpa" not in st["backends"], (lengths, st)
-            assert_model_close(ours, ref, baseline=_strip(step(stock, inputs)), what=f"{lengths}")
-    finally:
-        torch.compiler.reset()
+    _compiled_steps_plan_once(run, stock, [(5, 2, 0), (7, 1, 3), (0, 0, 0), (1, 7, 4)],
+                              CHROMA_ATTN_LAYERS * (2 if checkpointing else 1))
 
 
 def test_chroma_whole_model_compiled_around_compiled_blocks_plans_once_per_step():
@@ -115,15 +104,22 @@ def test_chroma_whole_model_compiled_around_compiled_blocks_plans_once_per_step(
 
     stock = compiled(tiny_chroma(dtype=torch.bfloat16, device="cuda"))
     run = compiled(va.enable_varlen(tiny_chroma(dtype=torch.bfloat16, device="cuda")))
+    _compiled_steps_plan_once(run, stock, [(5, 2, 0), (7, 1, 3), (2, 2, 2)], 2 * CHROMA_ATTN_LAYERS)
+
+
+def _compiled_steps_plan_once(run, stock, lengths_per_step, calls):
+    """Steps of a whole model compiled (``run``, and ``stock`` compiled the same way) with a new
+    mask each: each equals the float64 reference within 2x stock's error, with one plan, one host
+    sync and ``calls`` attention calls on a varlen backend. Resets dynamo afterwards."""
     try:
-        for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2)]):
+        for i, lengths in enumerate(lengths_per_step):
             ref = step(tiny_chroma(), chroma_inputs(lengths, seed=i))  # float64, CPU
             inputs = chroma_inputs(lengths, seed=i, dtype=torch.bfloat16, device="cuda")
             va.reset_stats()
             ours = _strip(step(run, inputs))
             st = va.stats()
             assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and st["fallbacks"] == {}, (lengths, st)
-            assert sum(st["backends"].values()) == 2 * CHROMA_ATTN_LAYERS and "sdpa" not in st["backends"], (lengths, st)
+            assert sum(st["backends"].values()) == calls and "sdpa" not in st["backends"], (lengths, st)
             assert_model_close(ours, ref, baseline=_strip(step(stock, inputs)), what=f"{lengths}")
     finally:
         torch.compiler.reset()
