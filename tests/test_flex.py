@@ -154,9 +154,10 @@ def test_compiled_flex_refuses_to_run_eagerly():
     q, k, v, plan = _padded_inputs()
     with torch.compiler.set_stance("force_eager"):
         with pytest.raises(va.BackendUnavailableError,
-                           match=r"backend 'flex' cannot run dtype torch.float32, head dim 16 .*"
-                                 r"FlexAttention did not compile .*force_eager.*"
-                                 r"Raise torch._dynamo.config.recompile_limit .*or pick another backend"):
+                           match=r"backend 'flex' cannot run this call \(dtype torch.float32, batch 2, 200 queries / "
+                                 r"200 keys, 2 query / 2 key heads, head dim 16 .*FlexAttention did not compile "
+                                 r"\(.*force_eager.*Run it where torch.compile compiles .*raise "
+                                 r"torch._dynamo.config.recompile_limit .*or pick another backend"):
             flex.flex_padded(q, k, v, plan, 0.25)
 
 
@@ -203,7 +204,7 @@ def test_compiled_flex_equals_eager_and_refuses_past_the_recompile_limit(fresh_d
     """FlexAttention compiled by inductor on the CPU (forward; 16 s on 2 cores with a cold inductor
     cache) equals its eager form; a call that would compile it once more past dynamo's recompile
     limit raises."""
-    flex._compiled.cache_clear()
+    flex._forget_classes()
     q, k, v, plan = _padded_inputs()
     got = flex.flex_padded(q, k, v, plan, 0.25)
     with warnings.catch_warnings():  # the eager kernel warns that it is slow, once
@@ -216,3 +217,28 @@ def test_compiled_flex_equals_eager_and_refuses_past_the_recompile_limit(fresh_d
         with pytest.raises(va.BackendUnavailableError,
                            match=r"FlexAttention did not compile \(dynamo's recompile limit"):
             flex.flex_padded(q, k, v, plan, 0.25)
+
+
+def test_two_threads_meeting_a_new_call_class_compile_it_once(fresh_dynamo):
+    """Two threads whose first flex call is of the same new class (a model shared between
+    threads): one compiled function, one graph, equal results (the class's first call runs under
+    a lock; without it each thread made and compiled its own copy)."""
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    flex._forget_classes()
+    q, k, v, plan = _padded_inputs(b=1, s=96, seed=3)
+    start, outs = threading.Barrier(2), [None, None]
+
+    def run(i):
+        start.wait()
+        outs[i] = flex.flex_padded(q, k, v, plan, 0.25)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(flex._classes) == 1 and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)

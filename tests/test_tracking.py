@@ -690,3 +690,15 @@ def test_a_write_to_a_masks_base_is_seen_by_its_views(inference):
                 assert va.stats()["backends"] == {"reference": 3}, (i, va.stats())
         finally:
             va.disable_varlen(model)
+
+
+def test_tensor_methods_are_told_from_op_overloads_and_functions():
+    """While dynamo traces the hook, a Tensor method is re-issued as a method call; an op overload
+    (dotted name: torch 2.11's dynamo asserted on looking it up on torch.Tensor), a torch function
+    or any other callable is called as it is."""
+    from varlen_attn.hook import _tensor_method
+
+    assert _tensor_method(torch.Tensor.unflatten) and _tensor_method(torch.Tensor.__getitem__)
+    assert _tensor_method(torch.Tensor.add)
+    assert not _tensor_method(torch.ops.aten.mul.Tensor)
+    assert not _tensor_method(torch.add) and not _tensor_method(lambda t: t)

@@ -11,7 +11,7 @@ read. Query rows in no segment come out as zeros, as SDPA's rows with no valid k
 On CUDA the kernel is FlexAttention under ``torch.compile``, one compiled function per call
 class (dtype, head dims, head counts, device, scale, grad, shapes; :func:`_call_class`), each with a code
 object of its own: dynamo counts recompiles per code object, so the classes a process runs do
-not use up one ``recompile_limit`` together (64 classes kept, least recently used dropped).
+not use up one ``recompile_limit`` together (``CLASSES_KEPT`` classes kept, the oldest dropped).
 Where dynamo would run FlexAttention eagerly instead (its dense form: the whole score matrix
 and a host sync), because a class reached the recompile limit or a stance such as
 ``torch.compiler.set_stance("force_eager")`` runs compiled code eagerly, the call raises
@@ -24,8 +24,10 @@ backend declares itself unable there and ``auto`` takes the next one.
 
 from __future__ import annotations
 
-import functools
+import collections
 import re
+import sys
+import threading
 import types
 import weakref
 
@@ -123,15 +125,25 @@ def _own_code(fn, name: str):
     return copy
 
 
-def _not_compiled(q, v, scale, what: str) -> BackendUnavailableError:
-    """The error for a call that FlexAttention did not compile (``q``, ``v`` as ``[B, H, S, D]``)."""
+def _not_compiled(q, k, v, scale, cause: str, advice: str) -> BackendUnavailableError:
+    """The error for a call that FlexAttention did not compile (``q``, ``k``, ``v`` as ``[B, H, S, D]``)."""
     return BackendUnavailableError(
-        f"backend 'flex' cannot run dtype {q.dtype}, head dim {q.shape[-1]} (values {v.shape[-1]}), "
-        f"{q.shape[1]} query / {v.shape[1]} key heads, scale {scale}: FlexAttention did not compile "
-        f"({what}), and its eager form would materialise the dense score matrix and sync with the "
-        f"host. Raise torch._dynamo.config.recompile_limit (now {_recompile_limit()}), or pick "
-        f"another backend."
+        f"backend 'flex' cannot run this call (dtype {q.dtype}, batch {q.shape[0]}, {q.shape[2]} queries / "
+        f"{k.shape[2]} keys, {q.shape[1]} query / {k.shape[1]} key heads, head dim {q.shape[-1]} (values "
+        f"{v.shape[-1]}), scale {scale}, grad {torch.is_grad_enabled()}): FlexAttention did not compile "
+        f"({cause}), and its eager form would materialise the dense score matrix and sync with the "
+        f"host. {advice[:1].upper()}{advice[1:]}, or pick another backend."
     )
+
+
+_STANCE = ("dynamo ran it eagerly: a stance such as torch.compiler.set_stance('force_eager'), a "
+           "disabled dynamo, or its recompile limit")
+_STANCE_ADVICE = "run it where torch.compile compiles (no eager stance, dynamo enabled)"
+
+
+def _limit_advice() -> str:
+    return (f"raise torch._dynamo.config.recompile_limit (now {_recompile_limit()}; TORCH_LOGS=recompiles "
+            f"says what recompiled)")
 
 
 def _recompile_limit():
@@ -146,19 +158,19 @@ def _compiled_flex_attention(q, k, v, block_mask, scale, enable_gqa):
     # is_compiling() is a constant True (nothing at run time); when the body runs eagerly instead,
     # nothing compiled it.
     if not torch.compiler.is_compiling():
-        raise _not_compiled(q, v, scale, "dynamo ran it eagerly: its recompile limit was reached, or a "
-                            "stance such as torch.compiler.set_stance('force_eager') or a disabled "
-                            "dynamo runs compiled code eagerly")
+        raise _not_compiled(q, k, v, scale, _STANCE, f"{_STANCE_ADVICE}; {_limit_advice()}")
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
 
 
 def _call_class(q, k, v, scale: float, gqa: bool) -> tuple:
-    """What makes dynamo compile FlexAttention again (``q``, ``k``, ``v`` as ``[B, H, S, D]``),
-    measured on torch 2.13: dtype, head dims and head counts (FlexAttention marks them static),
-    device, the softmax scale (a float that inductor specialises: every new value recompiled),
-    grad mode and which inputs need grad; and the batch size and sequence lengths: each class is
+    """The call class of ``q``, ``k``, ``v`` (``[B, H, S, D]``): what made dynamo compile
+    FlexAttention again, measured on torch 2.13: dtype, head dims and head counts (FlexAttention
+    marks them static), device, the softmax scale (a float that inductor specialises: every new
+    value recompiled), grad mode, which inputs need grad, inference tensors (``inference_mode``);
+    and the batch size and sequence lengths. Within a class dynamo may still recompile (other
+    strides, autocast): those count against the class's recompile limit. Each class is
     compiled for static shapes (``dynamic=False``). With symbolic lengths (dynamo's automatic
     dynamic shapes, from a class's second shape on) inductor failed to compile FlexAttention in
     the GPU suite (H200, torch 2.11: a float16 grouped-query case, batch 1; two shapes of that
@@ -166,19 +178,55 @@ def _call_class(q, k, v, scale: float, gqa: bool) -> tuple:
     resolution bucket) compiles once more, about 6-9 s on an H200, and nothing symbolic is
     compiled."""
     return (q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1], gqa, q.device, float(scale),
-            torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad,
+            torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad, q.is_inference(),
             q.shape[0], q.shape[2], k.shape[2])
 
 
-@functools.lru_cache(maxsize=64)
+# Call classes kept, the oldest made dropped first. A class dropped and met again compiles
+# again, with a new recompile count.
+CLASSES_KEPT = 128
+_classes: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
+_warm: set = set()  # classes whose compiled function has run once (compiled its forward)
+_compiling = threading.Lock()
+
+
 def _compiled(key: tuple):
     """``torch.compile`` of a copy of :func:`_compiled_flex_attention` with its own code object
     for the call class ``key``: its own graphs and its own recompile limit, so the classes a
-    process runs do not use up one limit together."""
-    dtype, dq, dv, hq, hk, gqa, device, scale, *grad, b, sq, sk = key
-    name = re.sub(r"\W", "_", f"flex_attention_{str(dtype).split('.')[-1]}_d{dq}_{dv}_h{hq}_{hk}_{device}"
-                                f"_s{scale!r}_g{''.join(str(int(g)) for g in grad)}_b{b}_q{sq}_k{sk}")
-    return torch.compile(_own_code(_compiled_flex_attention, name), fullgraph=True, dynamic=False)
+    process runs do not use up one limit together. Made once per class (lazy: the copy compiles
+    at its first call)."""
+    fn = _classes.get(key)
+    if fn is None:
+        with _compiling:
+            fn = _classes.get(key)
+            if fn is None:
+                dtype, dq, dv, hq, hk, gqa, device, scale, *flags, b, sq, sk = key
+                name = re.sub(r"\W", "_", f"flex_attention_{str(dtype).split('.')[-1]}_d{dq}_{dv}_h{hq}_{hk}_"
+                                            f"{device}_s{scale!r}_g{''.join(str(int(f)) for f in flags)}_b{b}_q{sq}_k{sk}")
+                fn = _classes[key] = torch.compile(_own_code(_compiled_flex_attention, name), fullgraph=True,
+                                                   dynamic=False)
+                while len(_classes) > CLASSES_KEPT:
+                    _warm.discard(_classes.popitem(last=False)[0])
+    return fn
+
+
+def _run_compiled(key: tuple, *args):
+    """The call class ``key``'s compiled FlexAttention on ``args``. A class's first call (its
+    compile, seconds) runs under a lock: two threads meeting a new class at once compile it once."""
+    fn = _compiled(key)
+    if key in _warm:
+        return fn(*args)
+    with _compiling:
+        out = fn(*args)
+        _warm.add(key)
+    return out
+
+
+def _forget_classes() -> None:
+    """Drop every compiled call class (tests)."""
+    with _compiling:
+        _classes.clear()
+        _warm.clear()
 
 
 def _recompile_limit_errors() -> tuple:
@@ -199,16 +247,38 @@ def flex_padded(q, k, v, plan, scale: float, *, compiled: bool = True) -> torch.
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     if compiled:
         try:
-            out = _compiled(_call_class(q, k, v, scale, gqa))(q, k, v, block_mask, scale, gqa)
+            out = _run_compiled(_call_class(q, k, v, scale, gqa), q, k, v, block_mask, scale, gqa)
         except _recompile_limit_errors() as e:
-            raise _not_compiled(q, v, scale, "dynamo's recompile limit was reached for this call "
-                                "class") from e
+            raise _not_compiled(q, k, v, scale, "dynamo's recompile limit was reached for this call class",
+                                _limit_advice()) from e
     else:
         from torch.nn.attention.flex_attention import flex_attention
 
         out = flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa)
     # A query row with no key in any block comes out as whatever the kernel left: zeros, as SDPA.
     return out.masked_fill(~rows, 0).transpose(1, 2)
+
+
+def _cannot_compile() -> str | None:
+    """Why ``torch.compile`` cannot compile FlexAttention in this process, or None (asked once)."""
+    global _COMPILE_REASON
+    if _COMPILE_REASON is None:
+        reason = ""
+        try:
+            import torch._dynamo
+            from torch.utils._triton import has_triton
+
+            if not torch._dynamo.is_dynamo_supported():
+                reason = f"torch.compile is not supported here (Python {sys.version.split()[0]}, torch {torch.__version__})"
+            elif not has_triton():
+                reason = "torch.compile needs Triton for FlexAttention on CUDA, and Triton is not installed"
+        except ImportError as e:
+            reason = f"torch.compile is not available ({e})"
+        _COMPILE_REASON = reason
+    return _COMPILE_REASON or None
+
+
+_COMPILE_REASON: str | None = None
 
 
 class FlexBackend(Backend):
@@ -227,6 +297,9 @@ class FlexBackend(Backend):
         d = inp.q.shape[-1]
         if d < 16 or d & (d - 1):
             reasons.append(f"head dim {d} is not a power of two >= 16 (FlexAttention's compiled kernel)")
+        why = _cannot_compile()
+        if why:
+            reasons.append(why)
         if inside_compiled_graph():
             # Inside a running compiled graph dynamo does not compile, and FlexAttention's eager
             # implementation fails there (its vmap, below autograd): seen on an H100.
