@@ -88,6 +88,7 @@ def test_chroma_whole_model_compiled_plans_once_per_step(checkpointing):
                               CHROMA_ATTN_LAYERS * (2 if checkpointing else 1))
 
 
+@pytest.mark.usefixtures("fresh_dynamo")  # reset also where the warm-up fails
 def test_chroma_whole_model_compiled_around_compiled_blocks_plans_once_per_step():
     """Blocks compiled on their own (inductor), an eager forward first (it installs their
     wrappers), then the whole model compiled around them with checkpointing: each step equals the
