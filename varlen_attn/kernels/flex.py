@@ -25,6 +25,7 @@ backend declares itself unable there and ``auto`` takes the next one.
 from __future__ import annotations
 
 import collections
+import functools
 import re
 import sys
 import threading
@@ -259,26 +260,20 @@ def flex_padded(q, k, v, plan, scale: float, *, compiled: bool = True) -> torch.
     return out.masked_fill(~rows, 0).transpose(1, 2)
 
 
-def _cannot_compile() -> str | None:
-    """Why ``torch.compile`` cannot compile FlexAttention in this process, or None (asked once)."""
-    global _COMPILE_REASON
-    if _COMPILE_REASON is None:
-        reason = ""
-        try:
-            import torch._dynamo
-            from torch.utils._triton import has_triton
-
-            if not torch._dynamo.is_dynamo_supported():
-                reason = f"torch.compile is not supported here (Python {sys.version.split()[0]}, torch {torch.__version__})"
-            elif not has_triton():
-                reason = "torch.compile needs Triton for FlexAttention on CUDA, and Triton is not installed"
-        except ImportError as e:
-            reason = f"torch.compile is not available ({e})"
-        _COMPILE_REASON = reason
-    return _COMPILE_REASON or None
-
-
-_COMPILE_REASON: str | None = None
+@functools.lru_cache(maxsize=None)
+def _cannot_compile(device_type: str) -> str | None:
+    """Why ``torch.compile`` cannot compile FlexAttention on ``device_type`` in this process, or
+    None (asked once per device type)."""
+    try:
+        import torch._dynamo
+        from torch.utils._triton import has_triton
+    except ImportError as e:
+        return f"torch.compile is not available ({e})"
+    if not torch._dynamo.is_dynamo_supported():
+        return f"torch.compile is not supported here (Python {sys.version.split()[0]}, torch {torch.__version__})"
+    if device_type == "cuda" and not has_triton():
+        return "torch.compile needs Triton for FlexAttention on CUDA, and Triton is not installed"
+    return None
 
 
 class FlexBackend(Backend):
@@ -297,7 +292,7 @@ class FlexBackend(Backend):
         d = inp.q.shape[-1]
         if d < 16 or d & (d - 1):
             reasons.append(f"head dim {d} is not a power of two >= 16 (FlexAttention's compiled kernel)")
-        why = _cannot_compile()
+        why = _cannot_compile(inp.q.device.type)
         if why:
             reasons.append(why)
         if inside_compiled_graph():
