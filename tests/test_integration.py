@@ -304,7 +304,6 @@ def test_varlen_processor_per_module(stock):
     inner = diffusers.models.transformers.transformer_flux.FluxAttnProcessor()
     wrapped = va.VarlenAttnProcessor(inner)
     assert isinstance(wrapped, va.VarlenAttnProcessor)
-    import inspect
     assert "image_rotary_emb" in inspect.signature(wrapped.__call__).parameters
 
 
