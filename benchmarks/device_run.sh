@@ -20,7 +20,8 @@ for s in $STEPS; do case $s in
   attention) run 200 python3 benchmarks/attention.py --json "$OUT/attention.json" --png "$OUT/attention.png" 2>&1 | tee "$OUT/attention.txt" ;;
   step) run 120 python3 benchmarks/chroma_step.py --json "$OUT/chroma_step_fa4.json" 2>&1 | tee "$OUT/chroma_step_fa4.txt" ;;
   compiled) run 150 python3 benchmarks/chroma_step.py --compile --json "$OUT/chroma_step_fa4_compiled.json" 2>&1 | tee "$OUT/chroma_step_fa4_compiled.txt" ;;
-  train) # $TRAIN: "model:px:compile[:mode]" cells, e.g. "chroma:1024:none chroma:512:blocks:reduce-overhead"
+  train) # $TRAIN: "model:px:compile[:mode]" cells, e.g. "chroma:1024:none chroma:512:blocks:reduce-overhead";
+      # $TRAIN_ARGS: more train_step.py arguments for every cell (--gpu-busy, --checkpointing off)
       # $SIDES "before after": each cell first with $OLD's varlen_attn (another checkout), then this one's.
       for cell in ${TRAIN:-"chroma:1024:none chroma:512:none"}; do IFS=: read -r model px comp mode <<< "$cell"
       for side in ${SIDES:-after}; do
@@ -28,7 +29,7 @@ for s in $STEPS; do case $s in
       [ "$side" = before ] && name="${name}_before" && pp=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PWD/$OLD:$PWD
       PYTHONPATH=$pp run ${TRAIN_SECONDS:-280} python3 benchmarks/train_step.py --model $model --px $px --compile $comp ${mode:+--compile-mode $mode} \
         --backends ${TRAIN_BACKENDS:-auto,torch} --rounds ${TRAIN_ROUNDS:-3} --reps 2 --max-seconds ${TRAIN_MAX:-90} \
-        --json "$OUT/$name.json" --png "$OUT/$name.png" 2>&1 | tail -14 | tee "$OUT/$name.txt"; done; done ;;
+        ${TRAIN_ARGS:-} --json "$OUT/$name.json" --png "$OUT/$name.png" 2>&1 | tail -14 | tee "$OUT/$name.txt"; done; done ;;
   profile) run 300 python3 benchmarks/profile_step.py ${PROFILE_ARGS:---px 512 --compile blocks --double 2 --single 4} 2>&1 \
       | grep -v "^-\{20\}" | tee "$OUT/profile_step.txt" | head -150 ;;
   example) run 150 python3 examples/train_chroma.py 2>&1 | tail -8 | tee "$OUT/train_chroma.txt" ;;

@@ -120,6 +120,10 @@ def parse_args() -> argparse.Namespace:
                     help="start no new round after this many seconds since the start (at least one runs)")
     ap.add_argument("--json", default=None, help="write config, environment and every measurement here")
     ap.add_argument("--png", default=None, help="bar chart of ms per step per variant (needs matplotlib)")
+    ap.add_argument("--gpu-busy", action="store_true",
+                    help="after the rounds, one more step per variant under torch.profiler (CUDA activity only): "
+                         "the time the GPU ran kernels, copies or fills, against that step's wall time; well "
+                         "below 100%% means the host (Python, launches) sets the step's pace")
     return ap.parse_args()
 
 
@@ -330,6 +334,28 @@ def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: b
     v.add_stats(va.stats())
 
 
+def gpu_busy(v: Variant, batch: Batch, dev: torch.device) -> dict:
+    """One step of ``v`` under torch.profiler, CUDA activity only: the union of the intervals in
+    which the GPU ran anything (kernels, copies, fills), and the step's wall time with the
+    profiler on (CUPTI adds a little host time per launch, so this step is not a timed one)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    C.sync(dev)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with C.Stopwatch(dev) as sw:
+            v.step(batch)
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # merged: kernels on several streams may overlap
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    return {"busy_ms": busy / 1e3, "wall_ms": sw.ms, "busy_share": busy / 1e3 / sw.ms if sw.ms else None,
+            "gpu_events": len(spans)}
+
+
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -381,6 +407,9 @@ def line(name: str, r: dict, varlen: bool) -> str:
     cpu = f"  main-thread CPU {r['main_thread_cpu_ms']:7.1f} ms" if r["main_thread_cpu_ms"] is not None else ""
     if r.get("other_threads_cpu_ms") is not None:
         cpu += f", other threads {r['other_threads_cpu_ms']:7.1f} ms"
+    if r.get("gpu_busy") and r["gpu_busy"]["busy_share"] is not None:
+        g = r["gpu_busy"]
+        cpu += f"  GPU busy {g['busy_ms']:7.1f} of {g['wall_ms']:7.1f} ms ({g['busy_share']:4.0%}, profiled step)"
     return f"  {name:<22} {r['median_ms']:9.1f} ms/step  {ratio}{cpu}  peak {peak}{extra}"
 
 
@@ -507,6 +536,13 @@ def main():
                         torch.cuda.empty_cache()
         rounds_run += 1
     elapsed = time.perf_counter() - t_start
+    busy = {}
+    if args.gpu_busy and gpu:
+        for v in live:
+            try:
+                busy[v.name] = gpu_busy(v, batch, dev)
+            except Exception as e:  # a profiler that cannot run here costs the column, not the run
+                print(f"  --gpu-busy {v.name}: {type(e).__name__}: {e}")
 
     stock = next(v for v in variants if v.name == "stock")
     results = {}
@@ -514,6 +550,7 @@ def main():
         r = summary(v, stock)
         r["warmup_s"] = getattr(v, "warmup_s", None)
         r["warmup_stats"] = getattr(v, "warmup_stats", None)
+        r["gpu_busy"] = busy.get(v.name)
         if v.first and stock.first and v is not stock:
             r["max_abs_diff_vs_stock"] = (v.first["output"] - stock.first["output"]).abs().max().item()
         results[v.name] = r

@@ -158,6 +158,44 @@ def test_fused_equals_composed(fake_flash):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
 
 
+def test_fused_backward_lets_each_packed_gradient_go_once_scattered(monkeypatch):
+    """Peak memory: the fused backward drops each packed gradient the kernel returned as soon as
+    it is scattered to its padded form, so the padded dk is made without the packed dq alive, and
+    the padded dv without dq or dk; the padded gradients are the scatters of the packed ones."""
+    import weakref
+
+    from varlen_attn import fused
+    from varlen_attn.kernels import VarlenInputs
+
+    keep = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    plan = va.build_plan(keep[:, None, :, None] & keep[:, None, None, :])
+    g = torch.Generator().manual_seed(0)
+    refs, copies = [], []
+
+    class Kernel:  # a backward that returns three new packed gradients
+        def backward(self, inp, out, lse, dout):
+            grads = tuple(torch.randn(plan.total_q, 2, 8, generator=g) for _ in range(3))
+            refs.extend(weakref.ref(t) for t in grads)
+            copies.extend(t.clone() for t in grads)
+            return grads
+
+    alive = []
+    scatter = fused.scatter_packed
+
+    def spy(y, plan_, which):
+        alive.append([r() is not None for r in refs])
+        return scatter(y, plan_, which)
+
+    monkeypatch.setattr(fused, "scatter_packed", spy)
+    packed = [torch.randn(plan.total_q, 2, 8, generator=g) for _ in range(3)]
+    got = fused.packed_backward(Kernel(), VarlenInputs(*packed, plan, 1.0, False), packed[0],
+                                torch.zeros(2, plan.total_q), torch.randn(2, 4, 2, 8, generator=g))
+    assert alive == [[True, True, True], [False, True, True], [False, False, True]]
+    assert all(r() is None for r in refs)
+    for t, c, which in zip(got, copies, "qkk"):
+        assert torch.equal(t, scatter(c, plan, which))
+
+
 def test_flash_adapters_pass_causal_and_dropout(fake_flash):
     q = k = v = torch.randn(1, 2, 5, 8, dtype=torch.float64)
     va.scaled_dot_product_attention(q, k, v, is_causal=True, backend="flash_attn_3")

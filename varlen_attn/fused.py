@@ -33,8 +33,14 @@ def packed_forward(impl: Backend, q, k, v, plan: VarlenPlan, scale: float, causa
 def packed_backward(impl: Backend, inp: VarlenInputs, out, lse, dout):
     """Packed inputs and output, padded output gradient -> padded ``(dq, dk, dv)``; no autograd."""
     plan = inp.plan
-    dq, dk, dv = impl.backward(inp, out, lse, gather_packed(dout, plan, "q"))
-    return scatter_packed(dq, plan, "q"), scatter_packed(dk, plan, "k"), scatter_packed(dv, plan, "k")
+    packed = list(impl.backward(inp, out, lse, gather_packed(dout, plan, "q")))
+    padded = []
+    for i, which in enumerate(("q", "k", "k")):
+        padded.append(scatter_packed(packed[i], plan, which))
+        # Each packed gradient goes once scattered: the padded dk is made without the packed
+        # dq alive, and dv without dq or dk (peak memory: one packed gradient less per scatter).
+        packed[i] = None
+    return tuple(padded)
 
 
 class FusedAttention(torch.autograd.Function):
