@@ -538,7 +538,7 @@ def main():
     elapsed = time.perf_counter() - t_start
     busy = {}
     if args.gpu_busy and gpu:
-        for v in live:
+        for v in (v for v in live if v.error is None):
             try:
                 busy[v.name] = gpu_busy(v, batch, dev)
             except Exception as e:  # a profiler that cannot run here costs the column, not the run
