@@ -565,19 +565,26 @@ def _install_compiled(model: torch.nn.Module, state: _State) -> None:
     """Give every compiled submodule its :class:`_Boundary` and :class:`_BlockForward`, once
     (a module compiled since the last forward gets them now)."""
     stack = list(model.__dict__.get("_modules", {}).values())
-    while stack:  # by hand, not model.modules(): a third of its time (1 ms for 3800 modules)
-        module = stack.pop()
+    pop, extend = stack.pop, stack.extend
+    # By hand, not model.modules(): a third of its time (1 ms for 3800 modules). It runs over
+    # every module at every forward (7000 in a full-depth Qwen-Image with LoRA): a module that
+    # is not compiled costs two reads of its __dict__ and no call (0.7 ms less there).
+    while stack:
+        module = pop()
         if module is None:
             continue
-        stack.extend(module.__dict__.get("_modules", {}).values())
+        attrs = module.__dict__
+        children = attrs.get("_modules")
+        if children:
+            extend(children.values())
+        call = attrs.get("_compiled_call_impl")
         if isinstance(module, _OptimizedModule):
-            call = module.__dict__.get("forward")
+            call = attrs.get("forward")
             if call is not None and not isinstance(call, _Boundary):
                 module.forward = _Boundary(call, module._orig_mod)
                 state.compiled.append(module)
             module = module._orig_mod
         else:
-            call = module.__dict__.get("_compiled_call_impl")
             if call is None:
                 continue
             if not isinstance(call, _Boundary):
