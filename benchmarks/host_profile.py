@@ -10,6 +10,7 @@ two variants per function (the steps' stacks only) to see where a variant's host
 
 from __future__ import annotations
 
+import argparse
 import gc
 import sys
 import time
@@ -20,15 +21,12 @@ import train_step as T
 
 
 def main():
-    variant, seconds = "stock", 20.0
-    argv = list(sys.argv[1:])
-    for flag in ("--variant", "--seconds"):
-        if flag in argv:
-            i = argv.index(flag)
-            value = argv[i + 1]
-            del argv[i:i + 2]
-            variant, seconds = (value, seconds) if flag == "--variant" else (variant, float(value))
-    sys.argv = [sys.argv[0], *argv]
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--variant", default="stock", help="stock, nomask or varlen:<backend>")
+    own.add_argument("--seconds", type=float, default=20.0)
+    mine, rest = own.parse_known_args()
+    variant, seconds = mine.variant, mine.seconds
+    sys.argv = [sys.argv[0], *rest]  # the rest is train_step.py's
     args = T.parse_args()
     dev = torch.device(args.device)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32

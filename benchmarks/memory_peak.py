@@ -1,21 +1,19 @@
 """What is alive at a training step's peak of GPU memory, per variant (not a test; run on a GPU):
 
-    python benchmarks/memory_peak.py --model chroma --px 1024 --double 2 --single 4 [--backends auto] [--no-stacks]
+    python benchmarks/memory_peak.py --model chroma --px 1024 --double 2 --single 4 [--backends auto]
 
 ``train_step.py``'s workload (its arguments) at reduced depth. Each variant (stock, then varlen
 with each backend) runs two warm-up steps and one step under
 ``torch.cuda.memory._record_memory_history``; replaying the trace gives the peak of allocated
-bytes and the blocks alive at it, grouped by the innermost frame of this workload's code
-(varlen_attn, flash_attn, diffusers, peft, torch's autograd and checkpoint) that allocated them;
-with ``--no-stacks`` (torch 2.11 raised a SystemError recording Python stacks in a checkpoint's
-recomputation), by block size.
+bytes over the step's start and the blocks alive at it, grouped by size (a packed tensor, a
+padded one, a mask each have theirs). Recorded without stacks: torch 2.11 raised
+``SystemError: error return without exception set`` recording Python stacks inside a
+checkpoint's recomputation.
 """
 
 from __future__ import annotations
 
 import collections
-import re
-import sys
 
 import torch
 
@@ -23,41 +21,33 @@ import train_step as T
 
 import varlen_attn as va
 
-OWN = re.compile(r"varlen_attn/|flash_attn/|diffusers/|peft/|torch/utils/checkpoint|torch/autograd/|torch/optim/")
 
-
-def site(frames, size: int) -> str:
-    if not frames:  # recorded without stacks: grouped by size
-        return f"blocks of {size / 2**20:.1f} MiB"
-    for f in frames:  # innermost first
-        name = f.get("filename", "")
-        if OWN.search(name):
-            return f"{name.split('site-packages/')[-1].split('/work/main/')[-1]}:{f.get('line')} {f.get('name')}"
-    return "(no workload frame)"
-
-
-def peak_of(snapshot) -> tuple[int, dict]:
-    live, now, peak, at_peak = {}, 0, 0, {}
-    for ev in snapshot["device_traces"][0]:
+def peak_of(events) -> tuple[int, collections.Counter]:
+    """The peak of bytes allocated over the trace's start, and the sizes alive at it (MiB ->
+    bytes), from the allocations and frees the trace records."""
+    live, now, peak, peak_at = {}, 0, 0, -1
+    for i, ev in enumerate(events):  # the peak's position
         if ev["action"] == "alloc":
-            live[ev["addr"]] = (ev["size"], site(ev.get("frames", []), ev["size"]))
+            live[ev["addr"]] = ev["size"]
             now += ev["size"]
             if now > peak:
-                peak, at_peak = now, dict(live)
-        elif ev["action"] in ("free_requested",) and ev["addr"] in live:
-            now -= live.pop(ev["addr"])[0]
+                peak, peak_at = now, i
+        elif ev["action"] == "free_requested" and ev["addr"] in live:
+            now -= live.pop(ev["addr"])
+    live = {}
+    for ev in events[:peak_at + 1]:  # what is alive there
+        if ev["action"] == "alloc":
+            live[ev["addr"]] = ev["size"]
+        elif ev["action"] == "free_requested":
+            live.pop(ev["addr"], None)
     groups = collections.Counter()
-    for size, where in at_peak.values():
-        groups[where] += size
+    for size in live.values():
+        groups[f"blocks of {size / 2**20:.1f} MiB"] += size
     return peak, groups
 
 
 def main():
-    no_stacks = "--no-stacks" in sys.argv
-    if no_stacks:
-        sys.argv.remove("--no-stacks")
     args = T.parse_args()
-    args.no_stacks = no_stacks
     dev = torch.device("cuda")
     torch.backends.cuda.enable_cudnn_sdp(False)
     base, cfg = T.build_model(args, dev, torch.bfloat16)
@@ -83,12 +73,12 @@ def main():
         torch.cuda.synchronize()
         base_bytes = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
-        torch.cuda.memory._record_memory_history(context=None if args.no_stacks else "all", max_entries=2_000_000)
+        torch.cuda.memory._record_memory_history(context=None, max_entries=2_000_000)
         v.step(batch)
         torch.cuda.synchronize()
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
-        peak, groups = peak_of(snap)
+        peak, groups = peak_of(snap["device_traces"][0])
         results[name] = groups
         print(f"== {name}: max_memory_allocated {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB; "
               f"allocated before the step {base_bytes / 2**20:.1f} MiB; traced peak over it {peak / 2**20:.1f} MiB")
@@ -102,7 +92,7 @@ def main():
             if name == "stock":
                 continue
             diff = collections.Counter({k: groups.get(k, 0) - stock.get(k, 0) for k in set(groups) | set(stock)})
-            print(f"== {name} minus stock at the peak, by site (MiB):")
+            print(f"== {name} minus stock at the peak, by block size (MiB):")
             for where, d in sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:12]:
                 if d:
                     print(f"   {d / 2**20:+9.1f}  {where}")

@@ -33,14 +33,13 @@ def packed_forward(impl: Backend, q, k, v, plan: VarlenPlan, scale: float, causa
 def packed_backward(impl: Backend, inp: VarlenInputs, out, lse, dout):
     """Packed inputs and output, padded output gradient -> padded ``(dq, dk, dv)``; no autograd."""
     plan = inp.plan
-    packed = list(impl.backward(inp, out, lse, gather_packed(dout, plan, "q")))
-    padded = []
-    for i, which in enumerate(("q", "k", "k")):
-        padded.append(scatter_packed(packed[i], plan, which))
-        # Each packed gradient goes once scattered: the padded dk is made without the packed
-        # dq alive, and dv without dq or dk (peak memory: one packed gradient less per scatter).
-        packed[i] = None
-    return tuple(padded)
+    dq, dk, dv = impl.backward(inp, out, lse, gather_packed(dout, plan, "q"))
+    # Each name rebound to its padded gradient lets the packed one go: the padded dk is made
+    # without the packed dq alive, and dv without dq or dk (one packed gradient less per scatter).
+    dq = scatter_packed(dq, plan, "q")
+    dk = scatter_packed(dk, plan, "k")
+    dv = scatter_packed(dv, plan, "k")
+    return dq, dk, dv
 
 
 class FusedAttention(torch.autograd.Function):

@@ -183,43 +183,56 @@ def _call_class(q, k, v, scale: float, gqa: bool) -> tuple:
             q.shape[0], q.shape[2], k.shape[2])
 
 
+class _Class:
+    """A call class's compiled FlexAttention, and whether it has run once (compiled its forward)."""
+
+    __slots__ = ("fn", "warm")
+
+    def __init__(self, fn):
+        self.fn, self.warm = fn, False
+
+
 # Call classes kept, the oldest made dropped first. A class dropped and met again compiles
 # again, with a new recompile count.
 CLASSES_KEPT = 128
-_classes: "collections.OrderedDict[tuple, object]" = collections.OrderedDict()
-_warm: set = set()  # classes whose compiled function has run once (compiled its forward)
+_classes: "collections.OrderedDict[tuple, _Class]" = collections.OrderedDict()
 _compiling = threading.Lock()
 
 
-def _compiled(key: tuple):
-    """``torch.compile`` of a copy of :func:`_compiled_flex_attention` with its own code object
-    for the call class ``key``: its own graphs and its own recompile limit, so the classes a
-    process runs do not use up one limit together. Made once per class (lazy: the copy compiles
-    at its first call)."""
-    fn = _classes.get(key)
-    if fn is None:
+def _class(key: tuple) -> _Class:
+    """The call class ``key``: ``torch.compile`` of a copy of :func:`_compiled_flex_attention`
+    with its own code object, so its own graphs and its own recompile limit (the classes a
+    process runs do not use up one limit together). Made once per class (lazy: the copy
+    compiles at its first call)."""
+    entry = _classes.get(key)
+    if entry is None:
         with _compiling:
-            fn = _classes.get(key)
-            if fn is None:
+            entry = _classes.get(key)
+            if entry is None:
                 dtype, dq, dv, hq, hk, gqa, device, scale, *flags, b, sq, sk = key
                 name = re.sub(r"\W", "_", f"flex_attention_{str(dtype).split('.')[-1]}_d{dq}_{dv}_h{hq}_{hk}_"
                                             f"{device}_s{scale!r}_g{''.join(str(int(f)) for f in flags)}_b{b}_q{sq}_k{sk}")
-                fn = _classes[key] = torch.compile(_own_code(_compiled_flex_attention, name), fullgraph=True,
-                                                   dynamic=False)
+                entry = _classes[key] = _Class(torch.compile(_own_code(_compiled_flex_attention, name),
+                                                             fullgraph=True, dynamic=False))
                 while len(_classes) > CLASSES_KEPT:
-                    _warm.discard(_classes.popitem(last=False)[0])
-    return fn
+                    _classes.popitem(last=False)
+    return entry
+
+
+def _compiled(key: tuple):
+    """The compiled FlexAttention of the call class ``key`` (:func:`_class`)."""
+    return _class(key).fn
 
 
 def _run_compiled(key: tuple, *args):
     """The call class ``key``'s compiled FlexAttention on ``args``. A class's first call (its
     compile, seconds) runs under a lock: two threads meeting a new class at once compile it once."""
-    fn = _compiled(key)
-    if key in _warm:
-        return fn(*args)
+    entry = _class(key)
+    if entry.warm:
+        return entry.fn(*args)
     with _compiling:
-        out = fn(*args)
-        _warm.add(key)
+        out = entry.fn(*args)
+        entry.warm = True
     return out
 
 
@@ -227,7 +240,6 @@ def _forget_classes() -> None:
     """Drop every compiled call class (tests)."""
     with _compiling:
         _classes.clear()
-        _warm.clear()
 
 
 def _recompile_limit_errors() -> tuple:
