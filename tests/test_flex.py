@@ -242,3 +242,22 @@ def test_two_threads_meeting_a_new_call_class_compile_it_once(fresh_dynamo):
         t.join()
     assert len(flex._classes) == 1 and counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_a_call_class_that_does_not_compile_is_refused_clearly(fresh_dynamo, monkeypatch):
+    """Where the compiler fails on a call class (on an H200 inductor found no kernel configuration
+    for one), the call raises BackendUnavailableError naming the class and the compiler's
+    message, not the compiler's own exception."""
+    compile_ = torch.compile
+
+    def no_kernel(gm, example_inputs):
+        raise RuntimeError("No choices to select")  # as inductor's NoValidChoicesError
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": no_kernel}))
+    flex._forget_classes()
+    q, k, v, plan = _padded_inputs(b=1, s=65, seed=5)
+    with pytest.raises(va.BackendUnavailableError,
+                       match=r"backend 'flex' cannot run .*batch 1, 65 queries.*could not compile this call class.*"
+                             r"No choices to select"):
+        flex.flex_padded(q, k, v, plan, 0.25)
+    flex._forget_classes()

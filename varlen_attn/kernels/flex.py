@@ -162,7 +162,11 @@ def _compiled_flex_attention(q, k, v, block_mask, scale, enable_gqa):
         raise _not_compiled(q, k, v, scale, _STANCE, f"{_STANCE_ADVICE}; {_limit_advice()}")
     from torch.nn.attention.flex_attention import flex_attention
 
-    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa)
+    # Under 128 queries inductor takes FlexAttention's decoding kernel, which with grouped-query
+    # heads found no configuration on an H200 (torch 2.11: NoValidChoicesError at 65 queries,
+    # every dtype, head dims 16 and 32; 200 queries and equal heads compiled): the main kernel.
+    options = {"FORCE_USE_FLEX_ATTENTION": True} if enable_gqa else None
+    return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=options)
 
 
 def _call_class(q, k, v, scale: float, gqa: bool) -> tuple:
@@ -250,6 +254,21 @@ def _recompile_limit_errors() -> tuple:
     return tuple(getattr(exc, n) for n in names if hasattr(exc, n))
 
 
+def _compile_errors() -> tuple:
+    # What dynamo raises where its backend failed: inductor's own error (re-raised as it is since
+    # torch 2.6), or dynamo's wrapper of any other backend's
+    import torch._dynamo.exc as exc
+
+    errors = [exc.BackendCompilerFailed]
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:
+        pass
+    return tuple(errors)
+
+
 def flex_padded(q, k, v, plan, scale: float, *, compiled: bool = True) -> torch.Tensor:
     """Padded ``[B, S, H, D]`` q, k, v -> ``[B, Sq, Hq, Dv]``: attention within the plan's
     segments, zeros at query positions in none. ``compiled`` False runs FlexAttention's eager
@@ -264,6 +283,14 @@ def flex_padded(q, k, v, plan, scale: float, *, compiled: bool = True) -> torch.
         except _recompile_limit_errors() as e:
             raise _not_compiled(q, k, v, scale, "dynamo's recompile limit was reached for this call class",
                                 _limit_advice()) from e
+        except _compile_errors() as e:
+            # Any class inductor cannot compile (one seen: _compiled_flex_attention's kernel
+            # choice). Tried again at the class's next call (a failed compile is not kept).
+            inner = getattr(e, "inner_exception", None) or e  # what the compiler itself raised
+            said = (str(inner).strip().splitlines() or [""])[0][:300]
+            raise _not_compiled(q, k, v, scale, f"inductor could not compile this call class: "
+                                                f"{type(inner).__name__}: {said}",
+                                "a newer torch may compile it") from e
     else:
         from torch.nn.attention.flex_attention import flex_attention
 
