@@ -179,9 +179,10 @@ def _call_class(q, k, v, scale: float, gqa: bool) -> tuple:
     compiled for static shapes (``dynamic=False``). With symbolic lengths (dynamo's automatic
     dynamic shapes, from a class's second shape on) inductor failed to compile FlexAttention in
     the GPU suite (H200, torch 2.11: a float16 grouped-query case, batch 1; two shapes of that
-    class compiled alone did not fail, so the trigger is not pinned down). So a new shape (a new
-    resolution bucket) compiles once more, about 6-9 s on an H200, and nothing symbolic is
-    compiled."""
+    class compiled alone did not fail; most likely the decoding-kernel failure of grouped-query
+    heads under 128 queries that :func:`_compiled_flex_attention` now avoids, not verified). So
+    a new shape (a new resolution bucket) compiles once more, about 6-9 s on an H200, and
+    nothing symbolic is compiled."""
     return (q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1], gqa, q.device, float(scale),
             torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad, q.is_inference(),
             q.shape[0], q.shape[2], k.shape[2])
