@@ -247,17 +247,23 @@ def test_two_threads_meeting_a_new_call_class_compile_it_once(fresh_dynamo):
 def test_a_call_class_that_does_not_compile_is_refused_clearly(fresh_dynamo, monkeypatch):
     """Where the compiler fails on a call class (on an H200 inductor found no kernel configuration
     for one), the call raises BackendUnavailableError naming the class and the compiler's
-    message, not the compiler's own exception."""
+    message, not the compiler's own exception. The class keeps its failure: a later call raises
+    the same error without compiling again."""
     compile_ = torch.compile
+    tries = []
 
     def no_kernel(gm, example_inputs):
+        tries.append(1)
         raise RuntimeError("No choices to select")  # as inductor's NoValidChoicesError
 
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": no_kernel}))
     flex._forget_classes()
     q, k, v, plan = _padded_inputs(b=1, s=65, seed=5)
-    with pytest.raises(va.BackendUnavailableError,
-                       match=r"backend 'flex' cannot run .*batch 1, 65 queries.*could not compile this call class.*"
-                             r"No choices to select"):
+    said = r"backend 'flex' cannot run .*batch 1, 65 queries.*could not compile this call class.*No choices to select"
+    with pytest.raises(va.BackendUnavailableError, match=said):
         flex.flex_padded(q, k, v, plan, 0.25)
+    assert len(tries) == 1
+    with pytest.raises(va.BackendUnavailableError, match=said):
+        flex.flex_padded(q, k, v, plan, 0.25)
+    assert len(tries) == 1  # not compiled again
     flex._forget_classes()

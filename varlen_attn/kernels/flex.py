@@ -189,12 +189,13 @@ def _call_class(q, k, v, scale: float, gqa: bool) -> tuple:
 
 
 class _Class:
-    """A call class's compiled FlexAttention, and whether it has run once (compiled its forward)."""
+    """A call class's compiled FlexAttention, whether it has run once (compiled its forward),
+    and why it did not compile (``failed``: the message; the class is not compiled again)."""
 
-    __slots__ = ("fn", "warm")
+    __slots__ = ("fn", "warm", "failed")
 
     def __init__(self, fn):
-        self.fn, self.warm = fn, False
+        self.fn, self.warm, self.failed = fn, False, None
 
 
 # Call classes kept, the oldest made dropped first. A class dropped and met again compiles
@@ -236,9 +237,27 @@ def _run_compiled(key: tuple, *args):
     if entry.warm:
         return entry.fn(*args)
     with _compiling:
-        out = entry.fn(*args)
+        if entry.failed is not None:
+            raise _ClassFailed(entry.failed)
+        try:
+            out = entry.fn(*args)
+        except _compile_errors() as e:
+            entry.failed = _compiler_said(e)
+            raise
         entry.warm = True
     return out
+
+
+class _ClassFailed(Exception):
+    """A call class whose compile failed before is met again: not compiled again (inductor's
+    choice is the same every time, and a try costs seconds)."""
+
+
+def _compiler_said(e: Exception) -> str:
+    """What the compiler itself raised, in one line: its type and the first line of its message."""
+    inner = getattr(e, "inner_exception", None) or e
+    said = (str(inner).strip().splitlines() or [""])[0][:300]
+    return f"{type(inner).__name__}: {said}"
 
 
 def _forget_classes() -> None:
@@ -284,13 +303,11 @@ def flex_padded(q, k, v, plan, scale: float, *, compiled: bool = True) -> torch.
         except _recompile_limit_errors() as e:
             raise _not_compiled(q, k, v, scale, "dynamo's recompile limit was reached for this call class",
                                 _limit_advice()) from e
-        except _compile_errors() as e:
+        except (*_compile_errors(), _ClassFailed) as e:
             # Any class inductor cannot compile (one seen: _compiled_flex_attention's kernel
-            # choice). Tried again at the class's next call (a failed compile is not kept).
-            inner = getattr(e, "inner_exception", None) or e  # what the compiler itself raised
-            said = (str(inner).strip().splitlines() or [""])[0][:300]
-            raise _not_compiled(q, k, v, scale, f"inductor could not compile this call class: "
-                                                f"{type(inner).__name__}: {said}",
+            # choice). The class keeps the failure: its later calls raise at once.
+            said = str(e) if isinstance(e, _ClassFailed) else _compiler_said(e)
+            raise _not_compiled(q, k, v, scale, f"inductor could not compile this call class: {said}",
                                 "a newer torch may compile it") from e
     else:
         from torch.nn.attention.flex_attention import flex_attention
