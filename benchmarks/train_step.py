@@ -379,6 +379,10 @@ def summary(v: Variant, stock: Variant) -> dict:
         "paired_ratios": paired, "paired_ratio_median": statistics.median(paired) if paired else None,
         "main_thread_cpu_ms": statistics.median(v.cpu_ms) if v.cpu_ms else None, "main_thread_cpu_times_ms": v.cpu_ms,
         "other_threads_cpu_ms": statistics.median(v.other_cpu_ms) if v.other_cpu_ms else None,
+        # Per step, wall time minus the CPU time of every thread: time in which no thread of the
+        # process ran (waiting on the GPU, or blocked); can go negative where threads overlap.
+        "wall_minus_cpu_ms": statistics.median(w - m - o for w, m, o in zip(v.times, v.cpu_ms, v.other_cpu_ms))
+        if v.other_cpu_ms else None,
         "peak_mib": v.peak_bytes / 2**20 if v.peak_bytes else None,
         "timed_steps": v.timed_steps, "times_ms": v.times,
         "plan_builds_per_step": v.stats["plan_builds"] / steps, "host_syncs_per_step": v.stats["host_syncs"] / steps,
@@ -407,6 +411,8 @@ def line(name: str, r: dict, varlen: bool) -> str:
     cpu = f"  main-thread CPU {r['main_thread_cpu_ms']:7.1f} ms" if r["main_thread_cpu_ms"] is not None else ""
     if r.get("other_threads_cpu_ms") is not None:
         cpu += f", other threads {r['other_threads_cpu_ms']:7.1f} ms"
+    if r.get("wall_minus_cpu_ms") is not None:
+        cpu += f", wall minus CPU {r['wall_minus_cpu_ms']:6.1f} ms"
     if r.get("gpu_busy") and r["gpu_busy"]["busy_share"] is not None:
         g = r["gpu_busy"]
         cpu += f"  GPU busy {g['busy_ms']:7.1f} of {g['wall_ms']:7.1f} ms ({g['busy_share']:4.0%}, profiled step)"
