@@ -10,6 +10,8 @@ and what switches a model back to the mode.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -702,3 +704,114 @@ def test_tensor_methods_are_told_from_op_overloads_and_functions():
     assert _tensor_method(torch.Tensor.add)
     assert not _tensor_method(torch.ops.aten.mul.Tensor)
     assert not _tensor_method(torch.add) and not _tensor_method(lambda t: t)
+
+
+# ------------------------------------------------------------------------------------------------
+# A layer that re-casts its mask with a function returning the mask itself (``mask.bool()`` of a
+# bool mask, ``.to`` its own dtype or device, ``.contiguous()``) hands attention the same tensor:
+# one plan per forward, as for the mask passed as it is.
+
+_SAME = {"bool": lambda m: m.bool(), "to_dtype": lambda m: m.to(torch.bool), "to_device": lambda m: m.to("cpu"),
+         "contiguous": lambda m: m.contiguous(), "as_is": lambda m: m}
+
+
+class _CastsItsMask(torch.nn.Module):
+    def __init__(self, cast):
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16, dtype=torch.float64)
+        self.cast = cast
+
+    def forward(self, x, mask):
+        q = self.proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+        m = self.cast(mask)
+        out = F.scaled_dot_product_attention(q, q, q, attn_mask=m[:, None, None, :])
+        return x + out.transpose(1, 2).flatten(2)
+
+
+class _CastNet(torch.nn.Module):
+    def __init__(self, cast, layers=4):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_CastsItsMask(cast) for _ in range(layers))
+
+    def forward(self, x, attention_mask, return_dict=False):  # return_dict: as diffusers models (``step``)
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+        return (x,)
+
+
+@pytest.mark.parametrize("grad", ["train", "inference_mode"])
+@pytest.mark.parametrize("cast", list(_SAME))
+def test_a_mask_cast_to_itself_in_every_layer_keeps_one_plan(cast, grad):
+    torch.manual_seed(0)
+    stock = _CastNet(_SAME[cast])
+    model = va.enable_varlen(copy.deepcopy(stock))
+    for lengths in ([5, 3, 1], [2, 5, 4], [1, 1, 5]):  # the first forward under the mode, then tracked
+        x = torch.randn(3, 5, 16, dtype=torch.float64)
+        keep = torch.arange(5)[None] < torch.tensor(lengths)[:, None]
+        va.reset_stats()
+        if grad == "train":
+            got = step(model, {"x": x, "attention_mask": keep.clone()})
+            want = step(stock, {"x": x, "attention_mask": keep.clone()})
+            assert_model_close(got, want, what=f"{cast} {lengths}")
+        else:
+            with torch.inference_mode():
+                got = model(x, keep.clone())[0]
+                want = stock(x, keep.clone())[0]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        st = va.stats()
+        assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (cast, lengths, st)
+        assert st["backends"] == {"split_sdpa": 4} and st["fallbacks"] == {}, st
+
+
+class _WritesThroughOut(_CastsItsMask):
+    """Layer 1 and later narrow the mask in place through ``out=`` (a function not named as an
+    in-place write that returns its input, written): the next layers must not reuse its plan."""
+
+    def forward(self, x, mask):
+        torch.logical_and(mask, self.drop, out=mask)
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("grad", ["train", "inference_mode"])
+def test_a_mask_written_through_out_gets_a_new_plan(grad):
+    torch.manual_seed(0)
+    stock = _CastNet(_SAME["as_is"], layers=3)
+    for i, layer in enumerate(stock.layers):
+        layer.__class__ = _WritesThroughOut
+        layer.drop = torch.ones(5, dtype=torch.bool)
+        layer.drop[4 - i] = False  # each layer drops one more key position
+    model = va.enable_varlen(copy.deepcopy(stock))
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    keep = torch.ones(3, 5, dtype=torch.bool)
+    for _ in range(2):
+        if grad == "train":
+            assert_model_close(step(model, {"x": x, "attention_mask": keep.clone()}),
+                               step(stock, {"x": x, "attention_mask": keep.clone()}), what="out=")
+        else:
+            with torch.inference_mode():
+                got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("how", ["blocks compiled", "model compiled"])
+def test_a_mask_cast_to_itself_in_compiled_layers_keeps_one_plan(how, fresh_dynamo):
+    """The same under torch.compile (aot_eager): a traced ``mask.bool()`` is a new tensor of the
+    graph, derived from the root, and every layer's derivation is the same."""
+    torch.manual_seed(0)
+    stock = _CastNet(_SAME["bool"])
+    model = va.enable_varlen(copy.deepcopy(stock))
+    if how == "blocks compiled":
+        for layer in model.layers:
+            layer.compile(fullgraph=True, backend="aot_eager")
+        run = model
+    else:
+        run = torch.compile(model, backend="aot_eager")
+    for lengths in ([5, 3, 1], [2, 5, 4]):
+        x = torch.randn(3, 5, 16, dtype=torch.float64)
+        keep = torch.arange(5)[None] < torch.tensor(lengths)[:, None]
+        va.reset_stats()
+        out, grads = step(run, {"x": x, "attention_mask": keep.clone()})
+        grads = {n.removeprefix("_orig_mod."): g for n, g in grads.items()}  # torch.compile's wrapper
+        assert_model_close((out, grads), step(stock, {"x": x, "attention_mask": keep.clone()}), what=f"{how} {lengths}")
+        st = va.stats()
+        assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (how, lengths, st)

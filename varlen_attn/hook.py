@@ -62,23 +62,49 @@ def _tensor_method(func) -> bool:
     return "." not in name and getattr(torch.Tensor, name, None) is func
 
 
+def _written(func, args, kwargs) -> tuple:
+    """The tensors ``func(*args, **kwargs)`` writes in place: its first argument where ``func`` is
+    named as an in-place write (``add_``, ``__setitem__``, ``__iand__``) or is called with
+    ``inplace=True`` (``F.relu``), and the ``out=`` tensor or tensors (``torch.logical_and(m, x,
+    out=m)``); else none."""
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if first is not None and (_in_place(func) or kwargs.get("inplace") is True):
+        return (first,)
+    out = kwargs.get("out")
+    if isinstance(out, torch.Tensor):
+        return (out,)
+    if isinstance(out, (tuple, list)):
+        return tuple(t for t in out if isinstance(t, torch.Tensor))
+    return ()
+
+
 def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     """Run ``func`` eagerly and key what it makes from keyed masks (:meth:`Scope.derive`);
     ``tracked``: a new keyed output becomes a :class:`TrackedMask`."""
-    target = args[0] if args and isinstance(args[0], torch.Tensor) and _in_place(func) else None
-    if target is not None:
-        if scope.entered_late() and id(target) in scope.derived:
+    written = _written(func, args, kwargs)
+    if written:
+        if scope.entered_late() and any(id(t) in scope.derived for t in written):
             scope.late = True  # a keyed tensor written where only the mode sees it
-        # The new content is func(old content): key it before the op bumps the version.
-        key = scope.derive(func, args, kwargs)
+        # The new content is func(old content): key it before the op bumps the version. Several
+        # tensors written at once (``out=(values, indices)``) are forgotten.
+        key = scope.derive(func, args, kwargs) if len(written) == 1 else None
         out = func(*args, **kwargs)
-        if scopes.version(target) is None:
-            # An inference tensor: no version counter tells its views that it changed.
-            scope.forget_aliases(target)
-        if key is None or not _mark(scope, target, key):
-            scope.forget(target)
+        for target in written:
+            if scopes.version(target) is None:
+                # An inference tensor: no version counter tells its views that it changed.
+                scope.forget_aliases(target)
+            if key is None or not _mark(scope, target, key):
+                scope.forget(target)
         return out
+    first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    before = None if first is None else scopes.version(first)
     out = func(*args, **kwargs)
+    if out is first and first is not None and scopes.version(first) == before:
+        # A function that returned its input itself, unwritten (``mask.bool()`` of a bool mask,
+        # ``.to`` its own dtype or device, ``.contiguous()``): it keeps its key. Keyed again, it
+        # would get a longer one in every layer that does this, and every such layer a plan (and
+        # a host sync) of its own.
+        return out
     if scopes.keyable_output(out):
         key = scope.derive(func, args, kwargs)
         if key is not None:
@@ -152,9 +178,10 @@ class VarlenHook(TorchFunctionMode):
                 out = getattr(args[0], func.__name__)(*args[1:], **kwargs)
             else:
                 out = func(*args, **kwargs)
-            if args and _in_place(func):
-                scopes.trace_forget(args[0])
-            else:
+            written = _written(func, args, kwargs)
+            for t in written:
+                scopes.trace_forget(t)
+            if not written:
                 scopes.trace_derive(func, args, kwargs, out)
             return out
         if self.scope.tracking == scopes.MODE:
@@ -164,8 +191,8 @@ class VarlenHook(TorchFunctionMode):
             # Inside attention modules (masks_only) keyed tensors are tracked masks, except masks
             # keyed by object at their first attention call and plain aliases (``plain``): a call
             # that takes no tracked mask, is no factory and writes no keyed tensor just runs.
-            if self.masks_only and not scopes.is_factory(func) and not (
-                    args and _in_place(func) and id(args[0]) in self.scope.derived):
+            if self.masks_only and not scopes.is_factory(func) and not any(
+                    id(t) in self.scope.derived for t in _written(func, args, kwargs)):
                 return func(*args, **kwargs)
             return _track(self.scope, func, args, kwargs, True)
         with torch._C.DisableTorchFunctionSubclass():  # handled here, once, not by the subclass
