@@ -83,7 +83,7 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     ``tracked``: a new keyed output becomes a :class:`TrackedMask`."""
     written = _written(func, args, kwargs)
     if written:
-        if scope.entered_late() and any(id(t) in scope.derived for t in written):
+        if scope.entered_late() and any(scope.key_of(t) is not None for t in written):
             scope.late = True  # a keyed tensor written where only the mode sees it
         # The new content is func(old content): key it before the op bumps the version. Several
         # tensors written at once (``out=(values, indices)``) are forgotten.
@@ -144,6 +144,19 @@ def _plain_key(key) -> bool:
     return key is not None and (scopes.is_factory(key[0]) or _in_place(key[0]))
 
 
+def _takes_plain_keyed(scope: scopes.Scope, args, kwargs) -> bool:
+    """A call inside an attention module takes a plain tensor the hook keyed there (``plain``: a
+    factory output that is not bool, ``torch.ones(..., dtype=torch.int32)`` in CogView4's
+    training processor, and what is written into it): its output must be keyed too, or the mask
+    made from it reaches attention unkeyed. Nothing to look for in the common case (no such
+    tensor in this module)."""
+    plain = scope.attention[-1].plain if scope.attention else None
+    if not plain:
+        return False
+    return any(isinstance(a, torch.Tensor) and any(a is t for t in plain) and scope.key_of(a) is not None
+               for a in scopes.flat(args, kwargs))
+
+
 def _mask_of(args, kwargs):
     """``attn_mask`` of an SDPA call."""
     return args[3] if len(args) > 3 else kwargs.get("attn_mask")
@@ -191,8 +204,8 @@ class VarlenHook(TorchFunctionMode):
             # Inside attention modules (masks_only) keyed tensors are tracked masks, except masks
             # keyed by object at their first attention call and plain aliases (``plain``): a call
             # that takes no tracked mask, is no factory and writes no keyed tensor just runs.
-            if self.masks_only and not scopes.is_factory(func) and not any(
-                    id(t) in self.scope.derived for t in _written(func, args, kwargs)):
+            if self.masks_only and not scopes.is_factory(func) and not _takes_plain_keyed(self.scope, args, kwargs) \
+                    and not any(self.scope.key_of(t) is not None for t in _written(func, args, kwargs)):
                 return func(*args, **kwargs)
             return _track(self.scope, func, args, kwargs, True)
         with torch._C.DisableTorchFunctionSubclass():  # handled here, once, not by the subclass

@@ -99,9 +99,11 @@ class Policy:
 
 # -- the scope of one forward ----------------------------------------------------------------
 
-_FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.arange, torch.eye, torch.tensor,
-                         torch.ones_like, torch.zeros_like, torch.full_like})
-_LIKE = frozenset({torch.ones_like, torch.zeros_like, torch.full_like})
+# ``Tensor.new_zeros`` and kin read only their tensor's dtype and device (Lumina2 makes its joint
+# mask with ``hidden_states.new_zeros(..., dtype=torch.bool)``, then writes each row's length).
+_LIKE = frozenset({torch.ones_like, torch.zeros_like, torch.full_like,
+                   torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full})
+_FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.arange, torch.eye, torch.tensor}) | _LIKE
 # Functions whose output is not determined by their inputs: never keyed.
 _NONDETERMINISTIC = ("rand", "dropout", "bernoulli", "multinomial", "normal", "uniform", "exponential",
                      "empty", "cauchy", "geometric", "log_normal", "random")
