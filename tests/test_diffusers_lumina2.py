@@ -68,3 +68,24 @@ def test_lumina2_equals_stock_with_one_plan_per_mask(checkpointing, mask_dtype):
         # 2 refiner + 3 joint layers, and the joint layers' recomputation (Lumina2 checkpoints those only)
         assert st["backends"] == {"split_sdpa": 5 + (3 if checkpointing else 0)}, st
         assert st["plan_builds"] == 2 and st["host_syncs"] == 2, (lengths, st)  # caption mask, joint mask
+
+
+def test_a_joint_mask_first_seen_after_learning_is_followed():
+    """The first batch has captions of one length: the model passes the joint blocks no mask, and
+    the forward learns to follow tracked masks (the caption mask alone reached attention). The
+    next batches are padded: the joint mask, made with ``new_zeros`` where no tracked mask sees
+    it, reaches each joint attention module as a plain tensor, which hands it on as a tracked
+    mask; every masked call is packed (none runs stock SDPA unseen), one plan per mask."""
+    stock = lumina2(layers=3, refiners=2)
+    model = va.enable_varlen(copy.deepcopy(stock))
+    for i, lengths in enumerate(([6, 6, 6], [6, 3, 1], [2, 6, 4])):
+        batch = inputs(lengths, seed=i)
+        va.reset_stats()
+        got = step(model, {**batch, "encoder_attention_mask": batch["encoder_attention_mask"].clone()})
+        st = va.stats()
+        assert_model_close(got, step(stock, batch), what=f"lumina2 {lengths}")
+        padded = len(set(lengths)) > 1
+        assert st["backends"] == {"split_sdpa": 5 if padded else 2}, (lengths, st)  # refiners (+ joint blocks)
+        assert st["plan_builds"] == (2 if padded else 1), (lengths, st)
+        if i:
+            assert st["forwards"] == {"tracked": 1}, st

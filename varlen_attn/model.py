@@ -162,6 +162,8 @@ class _AttentionForward(_InstanceForward):
         call = AttentionCall(self.module)
         scope.attention.append(call)
         try:
+            if scope.tracking != MODE:
+                args, kwargs = _follow_mask_arguments(scope, self.module, args, kwargs)
             if scope.tracking in (LOCAL, ENTRY) and not hooked(scope):  # not a second hook over one
                 call.mode = VarlenHook(scope, masks_only=True)
                 call.mode.__enter__()
@@ -170,6 +172,40 @@ class _AttentionForward(_InstanceForward):
             if call.mode is not None:
                 _leave(scope, call)
             scope.attention.pop()
+
+
+def _follow_mask_arguments(scope: Scope, module, args, kwargs):
+    """``args`` and ``kwargs`` of an attention module's call in a forward that tracks masks, with
+    every plain tensor argument named like a mask (``attention_mask``) handed on as a tracked
+    mask: one the forward could not follow to here (made where tracked masks are not seen, such as
+    Lumina2's joint mask from ``new_zeros`` in a forward that learned on a batch with none) would
+    reach SDPA unseen and run stock. Keyed as it is (a plain keyed alias), else by object: every
+    layer handed this tensor shares one plan. A mask that needs a gradient is left alone."""
+    names = _param_names(type(module)) or ()
+    out_args = None
+    for i, value in enumerate(args):
+        if i < len(names) and "mask" in names[i] and _plain_mask(value):
+            out_args = out_args or list(args)
+            out_args[i] = _followed(scope, value)
+    out_kwargs = None
+    for name, value in kwargs.items():
+        if "mask" in name and _plain_mask(value):
+            out_kwargs = out_kwargs or dict(kwargs)
+            out_kwargs[name] = _followed(scope, value)
+    return (args if out_args is None else tuple(out_args)), (kwargs if out_kwargs is None else out_kwargs)
+
+
+def _plain_mask(value) -> bool:
+    return type(value) is torch.Tensor and not value.requires_grad
+
+
+def _followed(scope: Scope, mask: torch.Tensor) -> TrackedMask:
+    key = scope.key_of(mask)
+    if key is None:
+        key = scope.key_object(mask)
+    alias = tracked(mask)
+    scope.mark(alias, key)
+    return alias
 
 
 def _leave(scope: Scope, call: AttentionCall) -> None:
