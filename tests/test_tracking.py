@@ -815,3 +815,120 @@ def test_a_mask_cast_to_itself_in_compiled_layers_keeps_one_plan(how, fresh_dyna
         assert_model_close((out, grads), step(stock, {"x": x, "attention_mask": keep.clone()}), what=f"{how} {lengths}")
         st = va.stats()
         assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (how, lengths, st)
+
+
+# ------------------------------------------------------------------------------------------------
+# Found in review of the changes above: each of these ran on a stale plan (wrong results).
+
+class _MaskArgAttention(torch.nn.Module):
+    """An attention module (it has a ``processor``) taking its mask as an argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.processor = object()
+        self.qkv = torch.nn.Linear(16, 48, dtype=torch.float64)
+
+    def forward(self, x, attention_mask=None):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask[:, None, None, :])
+        return out.transpose(1, 2).flatten(2)
+
+
+class _NarrowsAMaskOfItsOwn(torch.nn.Module):
+    """After learning on ``attention_mask``, ``own`` switches to a mask it makes (unseen by tracked
+    masks) and narrows in place before every layer, outside the attention modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_MaskArgAttention() for _ in range(3))
+        self.own = False
+
+    def forward(self, x, attention_mask, return_dict=False):
+        own = x.new_ones(x.shape[:2], dtype=torch.bool) if self.own else None
+        for i, layer in enumerate(self.layers):
+            if own is not None:
+                own[:, x.shape[1] - 1 - i] = False
+            x = x + layer(x, attention_mask=attention_mask if own is None else own)
+        return (x,)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+def test_a_mask_argument_written_between_attention_modules_gets_a_new_plan(grad):
+    torch.manual_seed(0)
+    stock = _NarrowsAMaskOfItsOwn()
+    model = va.enable_varlen(copy.deepcopy(stock))
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    keep[1, 4:] = False
+    with torch.inference_mode() if grad == "inference_mode" else torch.no_grad():
+        for _ in range(2):
+            model(x, keep.clone())  # learns to follow tracked masks
+        model.own = stock.own = True
+        va.reset_stats()
+        got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    st = va.stats()
+    assert st["forwards"] == {"tracked": 1} and st["backends"] == {"split_sdpa": 3}, st
+    assert st["plan_builds"] == 3, st  # one per value the mask took
+
+
+class _FillsThroughAnOverload(_CastsItsMask):
+    """Layer 1 and later fill the mask's last position through an aten op overload, whose name
+    (``fill_.Scalar``) does not end in ``_``: a write all the same (its schema says so)."""
+
+    def forward(self, x, mask):
+        torch.ops.aten.fill_.Scalar(mask[:, -1], False)
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
+def test_a_mask_written_by_a_mutating_op_overload_gets_a_new_plan(grad):
+    torch.manual_seed(0)
+    stock = _CastNet(_SAME["bool"], layers=2)
+    stock.layers[1].__class__ = _FillsThroughAnOverload
+    model = va.enable_varlen(copy.deepcopy(stock))
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    keep = torch.ones(3, 5, dtype=torch.bool)
+    keep[0, 3:] = False
+    with torch.inference_mode() if grad == "inference_mode" else torch.no_grad():
+        for _ in range(2):
+            va.reset_stats()
+            got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+            assert va.stats()["plan_builds"] == 2, va.stats()
+
+
+class _FactoryFromValues(torch.nn.Module):
+    """Each layer's mask comes from a like factory whose other tensor argument carries values: a
+    0-d fill (``new_full``, ``full_like``) or a length in the size of ``new_ones``."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_MaskArgAttention() for _ in range(3))
+        self.how = how
+
+    def forward(self, x, attention_mask, return_dict=False):
+        b, s = x.shape[:2]
+        for i, layer in enumerate(self.layers):
+            n = attention_mask.sum(1).min() - i  # a 0-d tensor, different per layer
+            if self.how == "new_ones":
+                m = torch.cat([attention_mask.new_ones((b, n)), attention_mask.new_zeros((b, s - n))], 1)
+            else:  # the template, an activation, gives only dtype and device; n gives the values
+                template = x[..., 0]
+                bound = template.new_full((b, s), n) if self.how == "new_full" else torch.full_like(template, n)
+                m = torch.arange(s) < bound
+            x = x + layer(x, attention_mask=m.bool())
+        return (x,)
+
+
+@pytest.mark.parametrize("how", ["new_ones", "new_full", "full_like"])
+def test_like_factories_key_their_other_tensor_arguments_by_value(how):
+    torch.manual_seed(0)
+    stock = _FactoryFromValues(how)
+    model = va.enable_varlen(copy.deepcopy(stock))
+    x = torch.randn(2, 6, 16, dtype=torch.float64)
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    with torch.no_grad():
+        for _ in range(2):
+            got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -31,9 +31,30 @@ from .functional import sdpa_with_policy
 
 
 def _writes_first_argument(func) -> bool:
+    if getattr(getattr(func, "_schema", None), "is_mutable", False):
+        return True  # an op overload that writes an argument (``aten.fill_.Scalar``: named "fill_.Scalar")
     name = getattr(func, "__name__", "")
     return name == "__setitem__" or (name.endswith("_") and not name.endswith("__")) or (
         name.startswith("__i") and name.endswith("__") and name not in ("__init__", "__index__", "__int__", "__invert__", "__iter__"))
+
+
+# Functions that, where they return their input itself, never wrote it: all an inference tensor
+# (no version counter) can be trusted with.
+_RETURN_INPUT_UNWRITTEN = frozenset({
+    torch.Tensor.bool, torch.Tensor.to, torch.Tensor.contiguous, torch.Tensor.type, torch.Tensor.type_as,
+    torch.Tensor.float, torch.Tensor.double, torch.Tensor.half, torch.Tensor.bfloat16, torch.Tensor.int,
+    torch.Tensor.long, torch.Tensor.cpu, torch.Tensor.cuda})
+
+
+def _unwritten(func, first, before) -> bool:
+    """``first`` (returned by ``func`` as itself) was not written: its version did not move, or,
+    an inference tensor with none, ``func`` is one that never writes."""
+    if before is not None:
+        return scopes.version(first) == before
+    try:
+        return func in _RETURN_INPUT_UNWRITTEN
+    except TypeError:  # an unhashable callable
+        return False
 
 
 _IN_PLACE: dict = {}  # func -> bool: the hook runs on every torch function of a forward
@@ -68,7 +89,11 @@ def _written(func, args, kwargs) -> tuple:
     ``inplace=True`` (``F.relu``), and the ``out=`` tensor or tensors (``torch.logical_and(m, x,
     out=m)``); else none."""
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-    if first is not None and (_in_place(func) or kwargs.get("inplace") is True):
+    if first is not None and _in_place(func):
+        return (first,)
+    if not kwargs:  # the common case
+        return ()
+    if first is not None and kwargs.get("inplace"):
         return (first,)
     out = kwargs.get("out")
     if isinstance(out, torch.Tensor):
@@ -99,7 +124,7 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     before = None if first is None else scopes.version(first)
     out = func(*args, **kwargs)
-    if out is first and first is not None and scopes.version(first) == before:
+    if out is first and first is not None and _unwritten(func, first, before):
         # A function that returned its input itself, unwritten (``mask.bool()`` of a bool mask,
         # ``.to`` its own dtype or device, ``.contiguous()``): it keeps its key. Keyed again, it
         # would get a longer one in every layer that does this, and every such layer a plan (and

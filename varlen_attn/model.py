@@ -161,9 +161,10 @@ class _AttentionForward(_InstanceForward):
             return target(*args, **kwargs)
         call = AttentionCall(self.module)
         scope.attention.append(call)
+        followed: list = []
         try:
             if scope.tracking != MODE:
-                args, kwargs = _follow_mask_arguments(scope, self.module, args, kwargs)
+                args, kwargs = _follow_mask_arguments(scope, self.module, args, kwargs, followed)
             if scope.tracking in (LOCAL, ENTRY) and not hooked(scope):  # not a second hook over one
                 call.mode = VarlenHook(scope, masks_only=True)
                 call.mode.__enter__()
@@ -171,27 +172,31 @@ class _AttentionForward(_InstanceForward):
         finally:
             if call.mode is not None:
                 _leave(scope, call)
+            for t in followed:  # keys no write to them would be seen past this call
+                scope.forget(t)
             scope.attention.pop()
 
 
-def _follow_mask_arguments(scope: Scope, module, args, kwargs):
+def _follow_mask_arguments(scope: Scope, module, args, kwargs, forget: list):
     """``args`` and ``kwargs`` of an attention module's call in a forward that tracks masks, with
     every plain tensor argument named like a mask (``attention_mask``) handed on as a tracked
     mask: one the forward could not follow to here (made where tracked masks are not seen, such as
     Lumina2's joint mask from ``new_zeros`` in a forward that learned on a batch with none) would
     reach SDPA unseen and run stock. Keyed as it is (a plain keyed alias), else by object: every
-    layer handed this tensor shares one plan. A mask that needs a gradient is left alone."""
+    layer handed this tensor shares one plan. A mask that needs a gradient is left alone. An
+    inference tensor (no version counter: a write to it outside attention modules would go
+    unseen) keeps the keys given here for this call only: they go to ``forget``."""
     names = _param_names(type(module)) or ()
     out_args = None
     for i, value in enumerate(args):
         if i < len(names) and "mask" in names[i] and _plain_mask(value):
             out_args = out_args or list(args)
-            out_args[i] = _followed(scope, value)
+            out_args[i] = _followed(scope, value, forget)
     out_kwargs = None
     for name, value in kwargs.items():
         if "mask" in name and _plain_mask(value):
             out_kwargs = out_kwargs or dict(kwargs)
-            out_kwargs[name] = _followed(scope, value)
+            out_kwargs[name] = _followed(scope, value, forget)
     return (args if out_args is None else tuple(out_args)), (kwargs if out_kwargs is None else out_kwargs)
 
 
@@ -199,12 +204,17 @@ def _plain_mask(value) -> bool:
     return type(value) is torch.Tensor and not value.requires_grad
 
 
-def _followed(scope: Scope, mask: torch.Tensor) -> TrackedMask:
+def _followed(scope: Scope, mask: torch.Tensor, forget: list) -> TrackedMask:
     key = scope.key_of(mask)
+    inference = mask.is_inference()
     if key is None:
         key = scope.key_object(mask)
+        if inference:
+            forget.append(mask)
     alias = tracked(mask)
     scope.mark(alias, key)
+    if inference:
+        forget.append(alias)
     return alias
 
 

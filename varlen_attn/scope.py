@@ -258,20 +258,23 @@ class Scope:
         """Key of ``func(*args, **kwargs)`` if every tensor input is keyed, else None."""
         factory = is_factory(func)
         like = factory and func in _LIKE
-        if not like:
-            # The common case, an activation among the inputs, ends here: no exception, no walk.
-            derived = self.derived
-            for a in args:
-                if isinstance(a, torch.Tensor) and id(a) not in derived:
-                    return None
+        # The common case, an activation among the inputs, ends here: no exception, no walk. A
+        # ``*_like`` factory reads only its first argument's shape, dtype and device.
+        derived = self.derived
+        for a in (args[1:] if like else args):
+            if isinstance(a, torch.Tensor) and id(a) not in derived:
+                return None
         has_tensor = any(isinstance(a, torch.Tensor) for a in flat(args, kwargs))
         if not has_tensor and not factory:
             return None
         if _random(getattr(func, "__name__", "")):
             return None
         try:
-            key = (func, self._arg_key(tuple(args), like),
-                   tuple(sorted((k, self._arg_key(v, like)) for k, v in kwargs.items())))
+            # Only a like factory's template is keyed by its metadata; every other tensor argument
+            # (a fill value, a size) by its key: its values make the output.
+            head = (self._arg_key(args[0], True),) if like and args else ()
+            key = (func, head + self._arg_key(tuple(args[len(head):]), False),
+                   tuple(sorted((k, self._arg_key(v, False)) for k, v in kwargs.items())))
         except _Unkeyable:
             return None
         if factory:
@@ -342,21 +345,23 @@ def trace_forget(t) -> None:
 def traced_signature(mask) -> tuple[list, str]:
     """While tracing: ``(roots, derivation)`` of ``mask``, or ``([], "")`` when unknown."""
     roots: list = []
-    text = _trace_text(mask, roots, False) if isinstance(mask, torch.Tensor) else None
+    text = _trace_text(mask, roots) if isinstance(mask, torch.Tensor) else None
     return (roots, text) if text else ([], "")
 
 
-def _trace_text(a, roots: list, like: bool):
+def _trace_text(a, roots: list):
     if isinstance(a, torch.Tensor):
-        if like:
-            return "meta" + str(tuple(a.shape)) + str(a.dtype)
         if hasattr(a, TRACED):
             rec = getattr(a, TRACED)
             if rec is None:
                 return None
             name, is_like, args, kwargs = rec
-            inner = _trace_text(args, roots, is_like)
-            kw = _trace_text(kwargs, roots, is_like)
+            # As Scope.derive: only a like factory's template (its first argument) by metadata.
+            head = "meta" + str(tuple(args[0].shape)) + str(args[0].dtype) + "," if (
+                is_like and args and isinstance(args[0], torch.Tensor)) else ""
+            inner = _trace_text(args[1:] if head else args, roots)
+            inner = None if inner is None else "(" + head + inner[1:]
+            kw = _trace_text(kwargs, roots)
             return None if inner is None or kw is None else name + inner + kw
         if getattr(a, KEYED, False):
             roots.append(a)
@@ -365,7 +370,7 @@ def _trace_text(a, roots: list, like: bool):
     if isinstance(a, (tuple, list)):
         parts = []
         for x in a:
-            s = _trace_text(x, roots, like)
+            s = _trace_text(x, roots)
             if s is None:
                 return None
             parts.append(s)
