@@ -834,6 +834,19 @@ class _MaskArgAttention(torch.nn.Module):
         return out.transpose(1, 2).flatten(2)
 
 
+def _stock_enabled_and_inputs(make, b: int, s: int):
+    """``(stock, enabled copy, x [b, s, 16], keep [b, s])``, the last row's last two keys padded."""
+    torch.manual_seed(0)
+    stock = make()
+    keep = torch.ones(b, s, dtype=torch.bool)
+    keep[-1, s - 2:] = False
+    return stock, va.enable_varlen(copy.deepcopy(stock)), torch.randn(b, s, 16, dtype=torch.float64), keep
+
+
+def _grad_mode(grad: str):
+    return torch.inference_mode() if grad == "inference_mode" else torch.no_grad()
+
+
 class _NarrowsAMaskOfItsOwn(torch.nn.Module):
     """After learning on ``attention_mask``, ``own`` switches to a mask it makes (unseen by tracked
     masks) and narrows in place before every layer, outside the attention modules."""
@@ -854,13 +867,8 @@ class _NarrowsAMaskOfItsOwn(torch.nn.Module):
 
 @pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
 def test_a_mask_argument_written_between_attention_modules_gets_a_new_plan(grad):
-    torch.manual_seed(0)
-    stock = _NarrowsAMaskOfItsOwn()
-    model = va.enable_varlen(copy.deepcopy(stock))
-    x = torch.randn(2, 6, 16, dtype=torch.float64)
-    keep = torch.ones(2, 6, dtype=torch.bool)
-    keep[1, 4:] = False
-    with torch.inference_mode() if grad == "inference_mode" else torch.no_grad():
+    stock, model, x, keep = _stock_enabled_and_inputs(_NarrowsAMaskOfItsOwn, b=2, s=6)
+    with _grad_mode(grad):
         for _ in range(2):
             model(x, keep.clone())  # learns to follow tracked masks
         model.own = stock.own = True
@@ -883,14 +891,13 @@ class _FillsThroughAnOverload(_CastsItsMask):
 
 @pytest.mark.parametrize("grad", ["no_grad", "inference_mode"])
 def test_a_mask_written_by_a_mutating_op_overload_gets_a_new_plan(grad):
-    torch.manual_seed(0)
-    stock = _CastNet(_SAME["bool"], layers=2)
-    stock.layers[1].__class__ = _FillsThroughAnOverload
-    model = va.enable_varlen(copy.deepcopy(stock))
-    x = torch.randn(3, 5, 16, dtype=torch.float64)
-    keep = torch.ones(3, 5, dtype=torch.bool)
-    keep[0, 3:] = False
-    with torch.inference_mode() if grad == "inference_mode" else torch.no_grad():
+    def make():
+        net = _CastNet(_SAME["bool"], layers=2)
+        net.layers[1].__class__ = _FillsThroughAnOverload
+        return net
+
+    stock, model, x, keep = _stock_enabled_and_inputs(make, b=3, s=5)
+    with _grad_mode(grad):
         for _ in range(2):
             va.reset_stats()
             got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
