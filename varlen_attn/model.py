@@ -163,8 +163,7 @@ class _AttentionForward(_InstanceForward):
         scope.attention.append(call)
         followed: list = []
         try:
-            if scope.tracking != MODE:
-                args, kwargs = _follow_mask_arguments(scope, self.module, args, kwargs, followed)
+            args, kwargs = _follow_mask_arguments(scope, self.module, args, kwargs, followed)
             if scope.tracking in (LOCAL, ENTRY) and not hooked(scope):  # not a second hook over one
                 call.mode = VarlenHook(scope, masks_only=True)
                 call.mode.__enter__()
@@ -178,12 +177,14 @@ class _AttentionForward(_InstanceForward):
 
 
 def _follow_mask_arguments(scope: Scope, module, args, kwargs, forget: list):
-    """``args`` and ``kwargs`` of an attention module's call in a forward that tracks masks, with
-    every plain tensor argument named like a mask (``attention_mask``) handed on as a tracked
-    mask: one the forward could not follow to here (made where tracked masks are not seen, such as
+    """``args`` and ``kwargs`` of an attention module's call, every plain tensor argument named like
+    a mask (``attention_mask``) keyed: as it is, else by object, so every layer handed this tensor
+    shares one plan, also for the masks the module derives from it (HunyuanVideo 1.5 pads and
+    squares its reordered text mask in every processor). In a forward under the mode that is all
+    (the mode sees every write). In a forward that tracks masks it is handed on as a tracked mask:
+    one the forward could not follow to here (made where tracked masks are not seen, such as
     Lumina2's joint mask from ``new_zeros`` in a forward that learned on a batch with none) would
-    reach SDPA unseen and run stock. Keyed as it is (a plain keyed alias), else by object: every
-    layer handed this tensor shares one plan. A mask that needs a gradient is left alone. An
+    reach SDPA unseen and run stock. A mask that needs a gradient is left alone. There an
     inference tensor (no version counter: a write to it outside attention modules would go
     unseen) keeps the keys given here for this call only: they go to ``forget``."""
     names = _param_names(type(module)) or ()
@@ -204,8 +205,12 @@ def _plain_mask(value) -> bool:
     return type(value) is torch.Tensor and not value.requires_grad
 
 
-def _followed(scope: Scope, mask: torch.Tensor, forget: list) -> TrackedMask:
+def _followed(scope: Scope, mask: torch.Tensor, forget: list) -> torch.Tensor:
     key = scope.key_of(mask)
+    if scope.tracking == MODE:
+        if key is None:
+            scope.key_object(mask)
+        return mask
     inference = mask.is_inference()
     if key is None:
         key = scope.key_object(mask)
