@@ -53,6 +53,19 @@ CHROMA_B, CHROMA_T, CHROMA_N = 3, 7, 16  # batch, padded text length, image toke
 CHROMA_ATTN_LAYERS = 4  # two double-stream and two single-stream blocks
 
 
+def stock_and_enabled(stock, checkpointing: bool = False):
+    """``(stock, an enabled deep copy of it)``, both with gradient checkpointing where asked."""
+    import copy
+
+    import varlen_attn as va
+
+    model = va.enable_varlen(copy.deepcopy(stock))
+    if checkpointing:
+        stock.enable_gradient_checkpointing()
+        model.enable_gradient_checkpointing()
+    return stock, model
+
+
 def tiny_chroma(seed=0, dtype=F64, device="cpu"):
     return _model(diffusers.ChromaTransformer2DModel, seed, dtype, device,
                   patch_size=1, in_channels=4, num_layers=2, num_single_layers=2, attention_head_dim=16,

@@ -16,13 +16,12 @@ had left at the module's first submodule call, stock SDPA for the whole forward.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 import varlen_attn as va
-from _models import step
+from _models import step, stock_and_enabled
 from _testing import assert_model_close
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
@@ -58,11 +57,7 @@ def inputs(lengths, seed):
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointing"])
 def test_cogview4_training_processor_equals_stock_with_one_plan(checkpointing):
-    stock = cogview4()
-    model = va.enable_varlen(copy.deepcopy(stock))
-    if checkpointing:
-        stock.enable_gradient_checkpointing()
-        model.enable_gradient_checkpointing()
+    stock, model = stock_and_enabled(cogview4(), checkpointing)
     for i, lengths in enumerate(([6, 3, 1], [2, 6, 4], [5, 1, 3])):  # learned on the first, then followed
         batch = inputs(lengths, seed=i)
         va.reset_stats()

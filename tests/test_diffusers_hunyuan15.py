@@ -14,13 +14,12 @@ mask), also with checkpointing. The token refiner keeps HunyuanVideo's ``[:, :, 
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 import varlen_attn as va
-from _models import step
+from _models import step, stock_and_enabled
 from _testing import assert_model_close
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
@@ -54,11 +53,7 @@ def inputs(lengths, lengths_2, seed):
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointing"])
 def test_hunyuan15_equals_stock_with_one_plan_per_mask(checkpointing):
-    stock = hunyuan15()
-    model = va.enable_varlen(copy.deepcopy(stock))
-    if checkpointing:
-        stock.enable_gradient_checkpointing()
-        model.enable_gradient_checkpointing()
+    stock, model = stock_and_enabled(hunyuan15(), checkpointing)
     for i, (lengths, lengths_2) in enumerate((([6, 3, 1], [2, 0, 1]), ([2, 6, 4], [4, 1, 0]))):
         batch = inputs(lengths, lengths_2, seed=i)
         va.reset_stats()

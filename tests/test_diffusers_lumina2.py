@@ -19,13 +19,11 @@ two plans per forward, also with checkpointing.
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import varlen_attn as va
-from _models import step
+from _models import step, stock_and_enabled
 from _testing import assert_model_close
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
@@ -53,11 +51,7 @@ def inputs(lengths, dtype=torch.int64, seed=1):
 @pytest.mark.parametrize("mask_dtype", [torch.int64, torch.bool], ids=["int", "bool"])
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointing"])
 def test_lumina2_equals_stock_with_one_plan_per_mask(checkpointing, mask_dtype):
-    stock = lumina2(layers=3, refiners=2)
-    model = va.enable_varlen(copy.deepcopy(stock))
-    if checkpointing:
-        stock.enable_gradient_checkpointing()
-        model.enable_gradient_checkpointing()
+    stock, model = stock_and_enabled(lumina2(layers=3, refiners=2), checkpointing)
     for i, lengths in enumerate(([6, 3, 1], [2, 6, 4], [5, 5, 1])):  # a new batch every step
         batch = inputs(lengths, mask_dtype, seed=i)
         va.reset_stats()
@@ -76,8 +70,7 @@ def test_a_joint_mask_first_seen_after_learning_is_followed():
     next batches are padded: the joint mask, made with ``new_zeros`` where no tracked mask sees
     it, reaches each joint attention module as a plain tensor, which hands it on as a tracked
     mask; every masked call is packed (none runs stock SDPA unseen), one plan per mask."""
-    stock = lumina2(layers=3, refiners=2)
-    model = va.enable_varlen(copy.deepcopy(stock))
+    stock, model = stock_and_enabled(lumina2(layers=3, refiners=2))
     for i, lengths in enumerate(([6, 6, 6], [6, 3, 1], [2, 6, 4])):
         batch = inputs(lengths, seed=i)
         va.reset_stats()
