@@ -169,16 +169,14 @@ def _plain_key(key) -> bool:
     return key is not None and (scopes.is_factory(key[0]) or _in_place(key[0]))
 
 
-def _takes_plain_keyed(scope: scopes.Scope, args, kwargs) -> bool:
-    """A call inside an attention module takes a plain tensor the hook keyed there (``plain``: a
-    factory output that is not bool, ``torch.ones(..., dtype=torch.int32)`` in CogView4's
-    training processor, and what is written into it): its output must be keyed too, or the mask
-    made from it reaches attention unkeyed. Nothing to look for in the common case (no such
-    tensor in this module)."""
-    plain = scope.attention[-1].plain if scope.attention else None
-    if not plain:
-        return False
-    return any(isinstance(a, torch.Tensor) and any(a is t for t in plain) and scope.key_of(a) is not None
+def _takes_keyed(scope: scopes.Scope, args, kwargs) -> bool:
+    """A call takes a keyed tensor that is not a tracked mask (those enter by ``types``): a plain
+    tensor the hook keyed inside this attention module (a factory output that is not bool, such
+    as the ``torch.ones(..., dtype=torch.int32)`` of CogView4's training processor, and what is
+    written into it) or a mask keyed by object. Its output is keyed too, and a write to it seen
+    (what a call writes is among its arguments: ``_written``)."""
+    derived = scope.derived
+    return any(isinstance(a, torch.Tensor) and id(a) in derived and scope.key_of(a) is not None
                for a in scopes.flat(args, kwargs))
 
 
@@ -226,11 +224,9 @@ class VarlenHook(TorchFunctionMode):
             return _track(self.scope, func, args, kwargs, False)
         # A forward that tracks masks: what the hook keys leaves as a tracked mask.
         if TrackedMask not in types:
-            # Inside attention modules (masks_only) keyed tensors are tracked masks, except masks
-            # keyed by object at their first attention call and plain aliases (``plain``): a call
-            # that takes no tracked mask, is no factory and writes no keyed tensor just runs.
-            if self.masks_only and not scopes.is_factory(func) and not _takes_plain_keyed(self.scope, args, kwargs) \
-                    and not any(self.scope.key_of(t) is not None for t in _written(func, args, kwargs)):
+            # Inside attention modules (masks_only) a call that takes no tracked mask, no other
+            # keyed tensor and is no factory just runs.
+            if self.masks_only and not scopes.is_factory(func) and not _takes_keyed(self.scope, args, kwargs):
                 return func(*args, **kwargs)
             return _track(self.scope, func, args, kwargs, True)
         with torch._C.DisableTorchFunctionSubclass():  # handled here, once, not by the subclass
