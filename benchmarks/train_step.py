@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import logging
@@ -124,6 +125,9 @@ def parse_args() -> argparse.Namespace:
                     help="after the rounds, one more step per variant under torch.profiler (CUDA activity only): "
                          "the time the GPU ran kernels, copies or fills, against that step's wall time; well "
                          "below 100%% means the host (Python, launches) sets the step's pace")
+    ap.add_argument("--timeline", action="store_true",
+                    help="after the rounds, one more step per variant under torch.profiler (CPU and CUDA): launch "
+                         "lag per thread, GPU busy per slice of the step, host waits (benchmarks/timeline.py)")
     return ap.parse_args()
 
 
@@ -550,6 +554,23 @@ def main():
             except Exception as e:  # a profiler that cannot run here costs the column, not the run
                 print(f"  --gpu-busy {v.name}: {type(e).__name__}: {e}")
 
+    lines = {}
+    if args.timeline and gpu:
+        import os
+        import tempfile
+
+        import timeline
+
+        for v in (v for v in live if v.error is None):
+            with tempfile.TemporaryDirectory() as tmp:  # a full-depth step's trace runs to 100s of MB
+                path = os.path.join(tmp, "trace.json")
+                try:
+                    C.sync(dev)
+                    timeline.record(functools.partial(v.step, batch), path)
+                    lines[v.name] = timeline.summarize(path)
+                except Exception as e:  # as --gpu-busy: the column is lost, not the run
+                    print(f"  --timeline {v.name}: {type(e).__name__}: {e}")
+
     stock = next(v for v in variants if v.name == "stock")
     results = {}
     for v in variants:
@@ -557,6 +578,7 @@ def main():
         r["warmup_s"] = getattr(v, "warmup_s", None)
         r["warmup_stats"] = getattr(v, "warmup_stats", None)
         r["gpu_busy"] = busy.get(v.name)
+        r["timeline"] = lines.get(v.name)
         if v.first and stock.first and v is not stock:
             r["max_abs_diff_vs_stock"] = (v.first["output"] - stock.first["output"]).abs().max().item()
         results[v.name] = r
@@ -567,6 +589,12 @@ def main():
           f"(asked {args.rounds}; {elapsed:.0f} s in all, --max-seconds {args.max_seconds:g}); ratio = stock / variant:")
     for v in variants:
         print(line(v.name, results[v.name], v.name.startswith("varlen:")))
+    if lines:
+        import timeline
+
+        print("one more step per variant under torch.profiler (benchmarks/timeline.py):")
+        for name, summary_ in lines.items():
+            print(timeline.describe(name, summary_))
     if compiled:
         from torch._dynamo.utils import counters
 
