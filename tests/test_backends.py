@@ -58,6 +58,7 @@ def fake_flash(monkeypatch):
                       ("flash_attn.cute.interface", iface)):
         mod.__spec__ = importlib_spec(name)
         monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(kernels.BACKENDS["flash_attn_4"], "_verdicts", {})  # refusals and checks of other tests
     for name in recs:
         b = kernels.BACKENDS[name]
         monkeypatch.setattr(b, "SUPPORTED_DEVICES", frozenset({"cpu"}))
@@ -345,3 +346,156 @@ def test_compiled_op_runs_native_backward(fake_flash):
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-13)
     torch._dynamo.reset()
+
+
+# ----------------------------------------------------------------- what the installed FA4 refuses
+
+
+def _fa4_first(monkeypatch):
+    """auto on the CPU tries flash_attn_4 (the fake) first, as on Hopper."""
+    monkeypatch.setitem(kernels.PRIORITY, "cpu", ("flash_attn_4", *kernels.PRIORITY["cpu"]))
+
+
+def _batch(seed=0, d=32):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(3, 2, 9, d, dtype=torch.float64, generator=g) for _ in range(3))
+    keep = torch.tensor([[1] * 9, [1, 1, 1, 1, 1, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.bool)
+    return q, k, v, keep[:, None, None, :]
+
+
+def _refusing(monkeypatch, entry: str, message: str, head_dim: int):
+    """FA4's ``entry`` ("_flash_attn_fwd" or "_flash_attn_bwd") raising its own assert for calls of
+    head dim ``head_dim``, as flash-attn-4 does for a GPU or head dim it does not support."""
+    iface = sys.modules["flash_attn.cute.interface"]
+    real = getattr(iface, entry)
+    refused = []
+
+    def entry_point(q, *args, **kw):
+        if q.shape[-1] == head_dim:
+            refused.append(q.shape)
+            raise AssertionError(message)
+        return real(q, *args, **kw)
+
+    monkeypatch.setattr(iface, entry, entry_point)
+    return refused
+
+
+FA4_SAYS = "Unsupported compute capability. Supported: 9.x, 10.x, 11.x, 12.x"
+
+
+def test_auto_runs_a_call_flash_attn_4_refuses_on_the_next_backend(fake_flash, monkeypatch):
+    """flash-attn-4's own check refuses a kind of call (here its forward, by head dim): under auto
+    that call runs on the next backend, equal to masked SDPA; calls of that kind skip FA4 from then
+    on, with FA4's words as the reason; other kinds still run on it."""
+    _fa4_first(monkeypatch)
+    refused = _refusing(monkeypatch, "_flash_attn_fwd", FA4_SAYS, 32)
+    q, k, v, mask = _batch()
+    va.reset_stats()
+    for _ in range(2):  # the second call: the refusal is remembered, FA4 not asked again
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = va.scaled_dot_product_attention(*leaves, mask)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, mask)
+        ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
+        for a, b in zip((out, *grads), (ref, *ref_grads)):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert len(refused) == 1
+    assert va.stats()["backends"] == {"split_sdpa": 2}
+    from varlen_attn.kernels import VarlenInputs
+
+    reasons = kernels.BACKENDS["flash_attn_4"].not_supported_reasons(
+        VarlenInputs(q.transpose(1, 2)[0], k.transpose(1, 2)[0], v.transpose(1, 2)[0], va.plan_from_seqlens([9]),
+                     32 ** -0.5))
+    assert any(FA4_SAYS in r and "refused" in r for r in reasons), reasons
+    q64, k64, v64, _ = _batch(d=64)  # another head dim: FA4 still runs it
+    va.reset_stats()
+    va.scaled_dot_product_attention(q64, k64, v64, mask)
+    assert va.stats()["backends"] == {"flash_attn_4": 1}
+
+
+def test_an_explicit_flash_attn_4_refused_by_flash_attn_4_raises_its_words(fake_flash, monkeypatch):
+    """backend="flash_attn_4" never falls back: FA4's refusal raises KernelRefusedError (a
+    BackendUnavailableError) naming the backend, the call and FA4's own message."""
+    _refusing(monkeypatch, "_flash_attn_fwd", FA4_SAYS, 32)
+    q, k, v, mask = _batch()
+    with pytest.raises(va.KernelRefusedError, match=r"flash-attn-4 .*refused q \(27, 2, 32\).*in its forward: "
+                       r"AssertionError: Unsupported compute capability") as e:
+        va.scaled_dot_product_attention(q, k, v, mask, backend="flash_attn_4")
+    assert isinstance(e.value, va.BackendUnavailableError)
+    with pytest.raises(va.BackendUnavailableError, match="Unsupported compute capability"):  # and again, from selection
+        va.scaled_dot_product_attention(q, k, v, mask, backend="flash_attn_4")
+
+
+def test_a_backward_flash_attn_4_refuses_raises_clearly_and_the_next_step_skips_it(fake_flash, monkeypatch):
+    """FA4 ran the forward and refuses the backward (flash-attn-4 4.0.0b36 declares its backward
+    for fewer GPUs than its forward): the backward raises KernelRefusedError with FA4's words,
+    and the next call of that kind under auto, with the same plan, runs on the next backend."""
+    _fa4_first(monkeypatch)
+    _refusing(monkeypatch, "_flash_attn_bwd", "Unsupported compute capability. Supported: 9.x", 32)
+    q, k, v, mask = _batch()
+    plan = va.build_plan(mask)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = va.attention(*(t.transpose(1, 2) for t in leaves), plan=plan)
+    with pytest.raises(va.KernelRefusedError, match="in its backward: AssertionError: Unsupported compute"):
+        out.sum().backward()
+    va.reset_stats()
+    out = va.attention(*(t.transpose(1, 2) for t in leaves), plan=plan)
+    out.sum().backward()
+    assert va.stats()["backends"] == {"split_sdpa": 1}
+
+
+@pytest.mark.parametrize("wrong", [None, "dq"])
+def test_flash_attn_4_on_an_unmeasured_gpu_is_checked_against_float32_math_first(fake_flash, monkeypatch, wrong):
+    """Where FA4's support was not measured here (any GPU but Hopper), the first call of each kind
+    first runs FA4's forward and backward on 64 tokens against float32 math: a kind it computes
+    wrong (here a dq off by 2x) is a reason against it, and auto runs the next backend."""
+    from varlen_attn.kernels import flash
+
+    monkeypatch.setattr(flash, "_FORCE_CHECK", True)
+    _fa4_first(monkeypatch)
+    iface = sys.modules["flash_attn.cute.interface"]
+    if wrong:
+        real_bwd = iface._flash_attn_bwd
+
+        def bwd(*args, **kw):
+            dq, dk, dv = real_bwd(*args, **kw)
+            return dq * 2, dk, dv
+
+        monkeypatch.setattr(iface, "_flash_attn_bwd", bwd)
+    q, k, v, mask = _batch()
+    before = len(fake_flash["flash_attn_4"].calls)
+    va.reset_stats()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask)
+    for _ in range(2):
+        torch.testing.assert_close(va.scaled_dot_product_attention(q, k, v, mask), ref, rtol=1e-10, atol=1e-12)
+    checks = [c["entry"] for c in fake_flash["flash_attn_4"].calls[before:]]
+    if wrong:
+        assert checks == ["fwd", "bwd"]  # the check, once; the calls ran elsewhere
+        assert va.stats()["backends"] == {"split_sdpa": 2}
+        with pytest.raises(va.BackendUnavailableError, match="computed a wrong dq in a check"):
+            va.scaled_dot_product_attention(q, k, v, mask, backend="flash_attn_4")
+    else:
+        assert checks == ["fwd", "bwd", "fwd", "fwd"]  # the check, then both calls on FA4
+        assert va.stats()["backends"] == {"flash_attn_4": 2}
+
+
+def test_auto_runs_a_refused_call_on_the_next_backend_in_a_compiled_caller(fake_flash, monkeypatch):
+    """The same inside a torch.compile'd caller (varlen_attn's custom op chooses the backend when
+    it runs): the refused call runs on the next backend, equal to masked SDPA with gradients."""
+    _fa4_first(monkeypatch)
+    refused = _refusing(monkeypatch, "_flash_attn_fwd", FA4_SAYS, 32)
+    q, k, v, mask = _batch(seed=1)
+    plan = va.build_plan(mask)
+    fn = torch.compile(lambda a, b, c: va.attention(a, b, c, plan=plan), backend="aot_eager", fullgraph=True)
+    leaves = [t.transpose(1, 2).clone().requires_grad_() for t in (q, k, v)]
+    va.reset_stats()
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out.square().sum(), leaves)
+    ref_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, mask)
+    ref_grads = torch.autograd.grad(ref.square().sum(), ref_leaves)
+    torch.testing.assert_close(out.transpose(1, 2), ref, rtol=1e-10, atol=1e-12)
+    for a, b in zip(grads, ref_grads):
+        torch.testing.assert_close(a.transpose(1, 2), b, rtol=1e-10, atol=1e-12)
+    assert len(refused) == 1 and "flash_attn_4" not in va.stats()["backends"]

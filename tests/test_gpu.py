@@ -219,3 +219,30 @@ def test_static_op_lse_is_zero_past_the_valid_rows_on_cuda(backend):
     total = s * sum(n > 0 for n in lengths)  # key padding: every query of an element with a key attends
     assert torch.isfinite(lse[:, :total]).all(), lse
     assert torch.equal(lse[:, total:], torch.zeros_like(lse[:, total:])), lse
+
+
+@pytest.mark.skipif(not _installed("flash_attn_4"), reason="flash-attn-4 not installed")
+def test_the_flash_attn_4_check_of_unmeasured_gpus_on_this_gpu(monkeypatch):
+    """The check that decides FA4's support on GPUs where it was not measured (any but Hopper:
+    FA4's forward and backward on 64 tokens against float32 math), run here on the real FA4:
+    it passes the kinds of call measured correct here, and it catches the one measured wrong
+    (head dim 16: dq off, flash-attn-4 4.0.0b36 on an H200)."""
+    from varlen_attn.kernels import VarlenInputs, flash
+
+    fa4 = kernels.BACKENDS["flash_attn_4"]
+    monkeypatch.setattr(flash, "_FORCE_CHECK", True)
+    monkeypatch.setattr(fa4, "_verdicts", {})
+    dev = torch.device("cuda")
+    plan = va.plan_from_seqlens([3], device=dev)
+
+    def kind(dtype, hq, hk, d, causal=False):
+        q = torch.empty((3, hq, d), dtype=dtype, device=dev)
+        return VarlenInputs(q, q.new_empty((3, hk, d)), q.new_empty((3, hk, d)), plan, d ** -0.5, causal)
+
+    for dtype in (torch.bfloat16, torch.float16):
+        for hq, hk, d, causal in ((24, 24, 128, False), (8, 2, 64, False), (4, 4, 128, True), (2, 2, 32, False)):
+            inp = kind(dtype, hq, hk, d, causal)
+            assert fa4._check(inp) is None, (dtype, hq, hk, d, causal)
+            assert fa4.not_supported_reasons(inp) == []
+    wrong = fa4._check(kind(torch.bfloat16, 2, 2, 16))
+    assert wrong is not None and "dq" in wrong, wrong

@@ -13,6 +13,7 @@ from ._errors import (
     BackendUnavailableError,
     InputTypeError,
     InputValueError,
+    KernelRefusedError,
     NotPackableError,
     VarlenAttnError,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "BackendUnavailableError",
     "InputTypeError",
     "InputValueError",
+    "KernelRefusedError",
     "NotPackableError",
     "VarlenAttnError",
     "VarlenAttnProcessor",

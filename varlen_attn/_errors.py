@@ -29,6 +29,13 @@ class BackendUnavailableError(VarlenAttnError, RuntimeError):
     """An explicitly requested backend cannot run these inputs (the message lists why)."""
 
 
+class KernelRefusedError(BackendUnavailableError):
+    """A kernel library refused a call its backend had declared it could run (its own check
+    failed, e.g. flash-attn-4 on a GPU or head dim it does not support). The backend remembers
+    the refusal, so selection skips it for calls of that kind from then on; ``auto`` runs the
+    refused call on its next backend."""
+
+
 def describe(x: object) -> str:
     """Short description of a received value for error messages."""
     shape = getattr(x, "shape", None)

@@ -23,10 +23,10 @@ import torch
 import torch.nn.functional as F
 
 from . import _stats
-from ._errors import BackendUnavailableError, InputValueError, NotPackableError
+from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, NotPackableError
 from .fused import FusedAttention, packed_backward, packed_forward
 from .kernels import SDPA, Backend, VarlenInputs, select
-from .kernels._base import empty_output, inside_compiled_graph
+from .kernels._base import empty_output, inside_compiled_graph, refusals
 from .masks import canonical_mask
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
 from .plan import VarlenPlan
@@ -96,6 +96,7 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
 
 # plan -> {what selection reads of a call: the backend}. Every layer of a forward shares its
 # plan and, nearly always, its heads, head dim and dtype: one selection per plan, not per call.
+# A kernel's refusal (KernelRefusedError) makes every earlier selection stale.
 _selected: "weakref.WeakKeyDictionary[VarlenPlan, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -103,8 +104,8 @@ def _select(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -
     key = (name, q.dtype, q.device, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], scale > 0,
            opts.causal, opts.dropout_p > 0, inside_compiled_graph())
     chosen = _selected.get(plan)
-    if chosen is None:
-        chosen = _selected.setdefault(plan, {})
+    if chosen is None or chosen.get("refusals") != refusals():
+        chosen = _selected[plan] = {"refusals": refusals()}
     impl = chosen.get(key)
     if impl is None:
         # Selection reads heads, head dim, dtype and device (and the plan): per-token views do.
@@ -143,27 +144,34 @@ def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> tor
     """Run the route ``r`` with autograd; ``[B, Sq, Hq, Dv]``."""
     if r.impl is None:
         return masked_sdpa(q, k, v, sdpa_mask(plan, mask4), opts, r.reason)
-    _stats.record_backend(r.impl.NAME)
     if r.fused:
-        return FusedAttention.apply(q, k, v, plan, r.impl, r.scale, opts.causal)
-    if r.impl.PADDED:
-        return r.impl.forward_padded(q, k, v, plan, r.scale, opts.causal)
-    qp, kp, vp = pack_qkv(q, k, v, plan)
-    inp = VarlenInputs(qp, kp, vp, plan, r.scale, opts.causal, opts.dropout_p)
-    # Every query masked (caption dropout on a whole batch): nothing for a kernel to do.
-    out = empty_output(inp) if plan.total_q == 0 else r.impl.forward(inp)
-    return unpack(out, plan, "q")
+        out = FusedAttention.apply(q, k, v, plan, r.impl, r.scale, opts.causal)
+    elif r.impl.PADDED:
+        out = r.impl.forward_padded(q, k, v, plan, r.scale, opts.causal)
+    else:
+        qp, kp, vp = pack_qkv(q, k, v, plan)
+        inp = VarlenInputs(qp, kp, vp, plan, r.scale, opts.causal, opts.dropout_p)
+        # Every query masked (caption dropout on a whole batch): nothing for a kernel to do.
+        out = unpack(empty_output(inp) if plan.total_q == 0 else r.impl.forward(inp), plan, "q")
+    _stats.record_backend(r.impl.NAME)  # once it ran: a kernel that refused the call did not
+    return out
 
 
 def attend(q, k, v, plan: VarlenPlan | None, mask4, opts: Options, policy) -> torch.Tensor:
-    """:func:`route` then :func:`run`."""
-    return run(q, k, v, plan, mask4, route(q, k, v, plan, mask4, opts, policy), opts)
+    """:func:`route` then :func:`run`; under ``auto`` a call its kernel refused runs on the next
+    backend (the refusal made the kernel's backend unsupported for calls of this kind)."""
+    try:
+        return run(q, k, v, plan, mask4, route(q, k, v, plan, mask4, opts, policy), opts)
+    except KernelRefusedError:
+        if policy.backend != "auto":
+            raise
+        return run(q, k, v, plan, mask4, route(q, k, v, plan, mask4, opts, policy), opts)
 
 
 def forward_lse(q, k, v, plan: VarlenPlan, r: Route, opts: Options):
     """A fused route's forward without autograd: ``(out [B, Sq, Hq, Dv], lse [Hq, total_q])``."""
-    _stats.record_backend(r.impl.NAME)
     _, out, lse = packed_forward(r.impl, q, k, v, plan, r.scale, opts.causal)
+    _stats.record_backend(r.impl.NAME)
     return scatter_packed(out, plan, "q"), lse
 
 

@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 
 from . import _stats, execution
-from ._errors import BackendUnavailableError, InputValueError, VarlenAttnError
+from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, VarlenAttnError
 from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, in_graph_priority, rows_are_short, select
 from .kernels._base import compiled_graph
@@ -177,19 +177,30 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
     zeros elsewhere. ``forward``: the handle of the running forward of a whole model compiled
     (:func:`forward_op`), whose scope its plans are kept in; else the thread's scope."""
     with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
-        b, sq, h = q.shape[0], q.shape[1], q.shape[2]
-        plan, r, mask4, opts = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend,
-                                              strict, convention, float_mask, model, _scope_of(forward))
-        # The lse output is zero past the plan's rows and on routes that make none: an op's outputs
-        # must not depend on what the allocator left (torch.library.opcheck compares them).
-        if r.fused:
-            out, lse = execution.forward_lse(q, k, v, plan, r, opts)
-            lse_buf = torch.nn.functional.pad(lse.float(), (0, b * sq - plan.total_q))
-        else:
-            lse_buf = q.new_zeros((h, b * sq), dtype=torch.float32)
-            with torch.no_grad():
-                out = execution.run(q, k, v, plan, mask4, r, opts)
-        return out.contiguous(), lse_buf, _hold((plan, r, mask4, opts))
+        args = (q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention, float_mask,
+                model, _scope_of(forward))
+        state = _forward_state(*args)
+        try:
+            out, lse_buf = _op_forward(q, k, v, *state)
+        except KernelRefusedError:
+            if backend != "auto":
+                raise
+            state = _forward_state(*args)  # selection reads the refusal now: the next backend
+            out, lse_buf = _op_forward(q, k, v, *state)
+        return out.contiguous(), lse_buf, _hold(state)
+
+
+def _op_forward(q, k, v, plan, r, mask4, opts):
+    """:func:`attention_op`'s ``(out, lse)`` on route ``r``. The lse output is zero past the
+    plan's rows and on routes that make none: an op's outputs must not depend on what the
+    allocator left (torch.library.opcheck compares them)."""
+    b, sq, h = q.shape[0], q.shape[1], q.shape[2]
+    if r.fused:
+        out, lse = execution.forward_lse(q, k, v, plan, r, opts)
+        return out, torch.nn.functional.pad(lse.float(), (0, b * sq - plan.total_q))
+    with torch.no_grad():
+        out = execution.run(q, k, v, plan, mask4, r, opts)
+    return out, q.new_zeros((h, b * sq), dtype=torch.float32)
 
 
 def _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention,

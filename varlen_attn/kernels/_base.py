@@ -61,6 +61,19 @@ def inside_compiled_graph() -> bool:
     return getattr(_graph, "inside", False)
 
 
+# How many times a kernel library refused a call its backend had declared it could run
+# (KernelRefusedError): selections cached before the last refusal are made again.
+_refusals = [0]
+
+
+def bump_refusals() -> None:
+    _refusals[0] += 1
+
+
+def refusals() -> int:
+    return _refusals[0]
+
+
 def empty_output(inp: VarlenInputs) -> torch.Tensor:
     """``[0, Hq, Dv]`` output still connected to q, k and v, so their gradients are zeros (as
     SDPA's are for a batch whose every row is masked) rather than missing."""

@@ -6,11 +6,15 @@ call, never at ``import varlen_attn``: none is a required dependency.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
+import itertools
 
 import torch
+import torch.nn.functional as F
 
-from ._base import Backend, VarlenInputs
+from .._errors import KernelRefusedError
+from ._base import Backend, VarlenInputs, bump_refusals
 
 _HALF = frozenset({torch.float16, torch.bfloat16})
 
@@ -72,12 +76,28 @@ class FlashAttn4Backend(_FlashBackend):
     NAME = "flash_attn_4"
     MODULE = "flash_attn.cute"
     REQUIRES = ("flash_attn.cute",)
+    # flash-attn-4 4.0.0b36 declares its forward for compute capability 8.x-12.x and its
+    # backward for 9.x-12.x (asserts at the top of flash_attn.cute.interface's entry points):
+    # training needs both, so 9.0 is the floor. What it supports above that is its own to say:
+    # see ``MEASURED_MAJORS``.
     MIN_COMPUTE_CAPABILITY = (9, 0)
     SUPPORTS_DROPOUT = False
     HEAD_DIM_MULTIPLE = 8
     # Measured on an H200 with flash-attn-4 4.0.0b36: at head dim 16 dq is wrong (relative
     # error ~1 against float64; out, dk, dv fine); 32 and up matched split_sdpa's error.
     MIN_HEAD_DIM = 32
+    # Compute-capability majors where the declarations above were measured (Hopper: H100, H200).
+    # On any other GPU (data-center Blackwell sm100, consumer Blackwell sm120, later ones) the
+    # installed FA4 decides: the first call of each kind is preceded by a check of FA4's own
+    # forward and backward on 64 tokens of that kind (:meth:`_verdict`), and what FA4 refuses or
+    # computes wrong there is a reason against it.
+    MEASURED_MAJORS = frozenset({9})
+    _PROBE_TOKENS = (40, 24)  # two segments
+
+    def __init__(self):
+        # kind of call -> None (runs) or the reason FA4 cannot run it: from the check above, or
+        # from a refusal at a real call (KernelRefusedError).
+        self._verdicts: dict[tuple, str | None] = {}
 
     def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
         reasons = super().not_supported_reasons(inp)
@@ -88,7 +108,54 @@ class FlashAttn4Backend(_FlashBackend):
         # FA4 betas mishandled zero-length sequences; plans never hold one, but guard anyway.
         if 0 in inp.plan.seqlens_q or 0 in inp.plan.seqlens_k:
             reasons.append("zero-length segment in the plan")
+        if not reasons:
+            refused = self._verdict(inp)
+            if refused:
+                reasons.append(refused)
         return reasons
+
+    @staticmethod
+    def _kind(inp: VarlenInputs) -> tuple:
+        q, k, v = inp.q, inp.k, inp.v
+        return (q.device.index, q.dtype, q.shape[-2], k.shape[-2], q.shape[-1], v.shape[-1], inp.causal)
+
+    def _verdict(self, inp: VarlenInputs) -> str | None:
+        """None where FA4 runs calls of this kind; else why not. Remembered per kind."""
+        kind = self._kind(inp)
+        if kind in self._verdicts:
+            return self._verdicts[kind]
+        dev = inp.q.device
+        if dev.type == "cuda":
+            if torch.cuda.get_device_capability(dev)[0] in self.MEASURED_MAJORS and not _FORCE_CHECK:
+                return None
+            if torch.cuda.is_current_stream_capturing():
+                return None  # a capture cannot run the check; an eager call will (a refusal raises clearly)
+        elif not _FORCE_CHECK:
+            return None  # FA4 runs on CUDA only; elsewhere only a test's stand-in gets here
+        verdict = self._verdicts[kind] = self._check(inp)
+        return verdict
+
+    def _check(self, inp: VarlenInputs) -> str | None:
+        """FA4's forward and backward on 64 tokens of ``inp``'s kind, against float32 math: None,
+        or FA4's refusal or error (FA4 compiles the kernels the real calls then reuse)."""
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        dev = inp.q.device
+        cc = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+        where = f"flash-attn-4 {_version('flash-attn-4')} on " + (
+            f"compute capability {cc[0]}.{cc[1]}" if cc else f"device {dev.type}")
+        try:
+            with unset_fake_temporarily(), torch.no_grad():  # selection may run while dynamo traces
+                return _fa4_check(self._interface(), inp, self._PROBE_TOKENS, where)
+        except Exception as e:  # whatever FA4 raises (asserts, its compiler's errors) is a reason against it
+            return f"{where} refuses this kind of call: {_first_line(e)}"
+
+    def _refused(self, inp: VarlenInputs, entry: str, e: BaseException) -> KernelRefusedError:
+        why = f"flash-attn-4 {_version('flash-attn-4')} refused {inp.describe()} in its {entry}: {_first_line(e)}"
+        self._verdicts[self._kind(inp)] = why
+        bump_refusals()
+        return KernelRefusedError(why + " (calls of this kind now skip flash_attn_4 under auto; an explicit "
+                                  "backend='flash_attn_4' cannot run them)")
 
     # FA4's own forward and backward entry points (what its autograd Function calls), so the
     # fused path (varlen_attn.fused) can run pack + kernel + unpack as one autograd node.
@@ -98,10 +165,71 @@ class FlashAttn4Backend(_FlashBackend):
         return importlib.import_module("flash_attn.cute.interface")
 
     def forward_lse(self, inp: VarlenInputs):
-        res = self._interface()._flash_attn_fwd(*_last_dim_contiguous(inp.q, inp.k, inp.v),
-                                                **_varlen_kwargs(inp), return_lse=True)
+        try:
+            res = self._interface()._flash_attn_fwd(*_last_dim_contiguous(inp.q, inp.k, inp.v),
+                                                    **_varlen_kwargs(inp), return_lse=True)
+        except _REFUSALS as e:  # FA4 checks its inputs with asserts before it launches anything
+            raise self._refused(inp, "forward", e) from e
         return res[0], res[1]
 
     def backward(self, inp: VarlenInputs, out, lse, dout):
-        return tuple(self._interface()._flash_attn_bwd(
-            *_last_dim_contiguous(inp.q, inp.k, inp.v, out, dout), lse, **_varlen_kwargs(inp))[:3])
+        try:
+            return tuple(self._interface()._flash_attn_bwd(
+                *_last_dim_contiguous(inp.q, inp.k, inp.v, out, dout), lse, **_varlen_kwargs(inp))[:3])
+        except _REFUSALS as e:
+            raise self._refused(inp, "backward", e) from e
+
+
+# What flash-attn-4's entry points raise when they refuse a call (their checks are asserts and
+# ValueError/NotImplementedError), before any kernel runs.
+_REFUSALS = (AssertionError, ValueError, NotImplementedError)
+_FORCE_CHECK = False  # tests: run the check on a measured GPU too
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "(version unknown)"
+
+
+def _fa4_check(iface, inp: VarlenInputs, lengths: tuple[int, ...], where: str) -> str | None:
+    """Run FA4's forward and backward on ``sum(lengths)`` random tokens of ``inp``'s kind and
+    compare with float32 math per segment: None, or what was wrong."""
+    q0, k0, v0 = inp.q, inp.k, inp.v
+    dev, dt, n = q0.device, q0.dtype, sum(lengths)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    q = torch.randn((n, q0.shape[-2], q0.shape[-1]), generator=gen, device=dev, dtype=dt)
+    k = torch.randn((n, k0.shape[-2], k0.shape[-1]), generator=gen, device=dev, dtype=dt)
+    v = torch.randn((n, v0.shape[-2], v0.shape[-1]), generator=gen, device=dev, dtype=dt)
+    dout = torch.randn((n, q0.shape[-2], v0.shape[-1]), generator=gen, device=dev, dtype=dt)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=dev)
+    kw = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths),
+              softmax_scale=inp.scale, causal=inp.causal)
+    out, lse = iface._flash_attn_fwd(q, k, v, **kw, return_lse=True)[:2]
+    grads = iface._flash_attn_bwd(q, k, v, out, dout, lse, **kw)[:3]
+    with torch.enable_grad():
+        ref = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        pieces = []
+        bounds = cu.tolist()
+        for a, b in zip(bounds, bounds[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in ref)
+            pieces.append(F.scaled_dot_product_attention(qs, ks, vs, scale=inp.scale, is_causal=inp.causal,
+                                                         enable_gqa=qs.shape[0] != ks.shape[0]).transpose(0, 1))
+        want = torch.cat(pieces)
+        want_grads = torch.autograd.grad(want, ref, dout.float())
+    for name, got, exp in (("output", out, want), *zip(("dq", "dk", "dv"), grads, want_grads)):
+        err = ((got.float() - exp).norm() / exp.norm().clamp_min(1e-30)).item()
+        if not err < _CHECK_TOLERANCE:  # NaN fails too
+            return f"{where} computed a wrong {name} in a check of this kind of call (relative error {err:.2g})"
+    return None
+
+
+# bf16 and fp16 operands land between 1e-3 and 1e-2 against float32 math; the head-dim-16 dq
+# failure on an H200 (above) was near 1.
+_CHECK_TOLERANCE = 5e-2
