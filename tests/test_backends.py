@@ -87,12 +87,15 @@ def fake_fa4_interface(recorder):
                         max_seqlen_q, max_seqlen_k):
         assert out.shape == dout.shape == q.shape[:2] + v.shape[-1:] and lse.shape == (q.shape[1], q.shape[0])
         recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "bwd"})
-        qd, kd, vd = (t.detach().requires_grad_() for t in (q, k, v))
         # The real entry point computes gradients itself; this fake differentiates kernels_ref,
-        # so inside the compiled custom op it needs autograd's dispatch keys back.
+        # so inside the compiled custom op it needs autograd's dispatch keys back, and under
+        # inference_mode to be off, with normal copies of its inputs.
         from varlen_attn.op import _autograd_dispatch
 
-        with _autograd_dispatch(), torch.enable_grad():
+        with torch.inference_mode(False), _autograd_dispatch(), torch.enable_grad():
+            qd, kd, vd, dout, cu_seqlens_q, cu_seqlens_k = (
+                t.clone() for t in (q, k, v, dout, cu_seqlens_q, cu_seqlens_k))
+            qd, kd, vd = (t.requires_grad_() for t in (qd, kd, vd))
             o = kernels_ref.flash_attn_varlen_func(qd, kd, vd, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                    max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
             return torch.autograd.grad(o, (qd, kd, vd), dout)
@@ -445,11 +448,14 @@ def test_a_backward_flash_attn_4_refuses_raises_clearly_and_the_next_step_skips_
     assert va.stats()["backends"] == {"split_sdpa": 1}
 
 
+@pytest.mark.parametrize("caller", ["eager", "inference_mode", "compiled"])
 @pytest.mark.parametrize("wrong", [None, "dq"])
-def test_flash_attn_4_on_an_unmeasured_gpu_is_checked_against_float32_math_first(fake_flash, monkeypatch, wrong):
+def test_flash_attn_4_on_an_unmeasured_gpu_is_checked_against_float32_math_first(fake_flash, monkeypatch, wrong,
+                                                                                caller):
     """Where FA4's support was not measured here (any GPU but Hopper), the first call of each kind
     first runs FA4's forward and backward on 64 tokens against float32 math: a kind it computes
-    wrong (here a dq off by 2x) is a reason against it, and auto runs the next backend."""
+    wrong (here a dq off by 2x) is a reason against it, and auto runs the next backend. The
+    check needs no autograd: it holds under inference_mode and inside a compiled caller's op."""
     from varlen_attn.kernels import flash
 
     monkeypatch.setattr(flash, "_FORCE_CHECK", True)
@@ -467,8 +473,17 @@ def test_flash_attn_4_on_an_unmeasured_gpu_is_checked_against_float32_math_first
     before = len(fake_flash["flash_attn_4"].calls)
     va.reset_stats()
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, mask)
+    call = va.scaled_dot_product_attention
+    if caller == "compiled":
+        torch._dynamo.reset()
+        call = torch.compile(va.scaled_dot_product_attention, backend="aot_eager", fullgraph=True)
     for _ in range(2):
-        torch.testing.assert_close(va.scaled_dot_product_attention(q, k, v, mask), ref, rtol=1e-10, atol=1e-12)
+        if caller == "inference_mode":
+            with torch.inference_mode():
+                out = call(q, k, v, mask)
+        else:
+            out = call(q, k, v, mask)
+        torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
     checks = [c["entry"] for c in fake_flash["flash_attn_4"].calls[before:]]
     if wrong:
         assert checks == ["fwd", "bwd"]  # the check, once; the calls ran elsewhere
@@ -499,3 +514,64 @@ def test_auto_runs_a_refused_call_on_the_next_backend_in_a_compiled_caller(fake_
     for a, b in zip(grads, ref_grads):
         torch.testing.assert_close(a.transpose(1, 2), b, rtol=1e-10, atol=1e-12)
     assert len(refused) == 1 and "flash_attn_4" not in va.stats()["backends"]
+
+
+def test_the_checks_float32_math_equals_sdpa_with_autograd():
+    """The check compares FA4 with attention and its gradients written out (no autograd, so it
+    runs under inference_mode and inside custom ops): equal to SDPA differentiated by autograd
+    in float64, per segment, with grouped-query heads and causal."""
+    from varlen_attn.kernels.flash import attention_math
+
+    g = torch.Generator().manual_seed(5)
+    bounds = [0, 7, 12, 20]
+    for hq, hk, causal in ((4, 4, False), (4, 2, True), (6, 1, False)):
+        q = torch.randn(20, hq, 16, dtype=torch.float64, generator=g)
+        k, v = (torch.randn(20, hk, 16, dtype=torch.float64, generator=g) for _ in range(2))
+        dout = torch.randn(20, hq, 16, dtype=torch.float64, generator=g)
+        got = attention_math(q, k, v, dout, bounds, 0.3, causal)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        outs = []
+        for a, b in zip(bounds, bounds[1:]):
+            qs, ks, vs = (t[a:b].transpose(0, 1) for t in leaves)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                qs, ks, vs, scale=0.3, is_causal=causal, enable_gqa=hq != hk).transpose(0, 1))
+        want = torch.cat(outs)
+        want_grads = torch.autograd.grad(want, leaves, dout)
+        for a, b in zip(got, (want, *want_grads)):
+            torch.testing.assert_close(a, b.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_a_refusal_stored_during_a_check_is_not_overwritten(fake_flash, monkeypatch):
+    """Two threads: one checks a kind while another's real call of that kind is refused. The
+    refusal stays (a check that passed does not erase it), so the refused thread's retry under
+    auto does not pick FA4 again."""
+    from varlen_attn.kernels import VarlenInputs, flash
+
+    fa4 = kernels.BACKENDS["flash_attn_4"]
+    monkeypatch.setattr(flash, "_FORCE_CHECK", True)
+    q, k, v, _ = _batch()
+    inp = VarlenInputs(q.transpose(1, 2)[0], k.transpose(1, 2)[0], v.transpose(1, 2)[0], va.plan_from_seqlens([9]),
+                       32 ** -0.5)
+
+    def check_while_another_call_is_refused(self_inp):
+        fa4._refused(self_inp, "forward", AssertionError(FA4_SAYS))
+        return None  # the check itself passed
+
+    monkeypatch.setattr(fa4, "_check", check_while_another_call_is_refused)
+    assert FA4_SAYS in fa4._verdict(inp)
+    assert any(FA4_SAYS in r for r in fa4.not_supported_reasons(inp))
+
+
+def test_a_bare_assert_of_flash_attn_4_is_named_by_its_condition(tmp_path, monkeypatch):
+    """FA4 asserts some inputs without a message; the refusal then names the failed condition."""
+    import importlib
+
+    from varlen_attn.kernels.flash import _first_line
+
+    (tmp_path / "fa4_like.py").write_text("def check(k):\n    assert k.shape == (3, 2)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # a module pytest does not rewrite: a bare assert
+    try:
+        importlib.import_module("fa4_like").check(torch.zeros(2))
+    except AssertionError as e:
+        text = _first_line(e)
+    assert text == "AssertionError at fa4_like.py:2: assert k.shape == (3, 2)", text

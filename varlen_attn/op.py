@@ -177,17 +177,16 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
     zeros elsewhere. ``forward``: the handle of the running forward of a whole model compiled
     (:func:`forward_op`), whose scope its plans are kept in; else the thread's scope."""
     with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
-        args = (q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention, float_mask,
-                model, _scope_of(forward))
-        state = _forward_state(*args)
+        plan, r, mask4, opts = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend,
+                                              strict, convention, float_mask, model, _scope_of(forward))
         try:
-            out, lse_buf = _op_forward(q, k, v, *state)
+            out, lse_buf = _op_forward(q, k, v, plan, r, mask4, opts)
         except KernelRefusedError:
             if backend != "auto":
                 raise
-            state = _forward_state(*args)  # selection reads the refusal now: the next backend
-            out, lse_buf = _op_forward(q, k, v, *state)
-        return out.contiguous(), lse_buf, _hold(state)
+            r = _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model)  # reads the refusal
+            out, lse_buf = _op_forward(q, k, v, plan, r, mask4, opts)
+        return out.contiguous(), lse_buf, _hold((plan, r, mask4, opts))
 
 
 def _op_forward(q, k, v, plan, r, mask4, opts):
@@ -221,9 +220,13 @@ def _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, 
                         device=q.device, convention=convention, policy=policy, plan=plan, scope=scope,
                         roots=roots, derivation=derivation, graph=True)
     mask4 = execution.mask4_of(mask, q, k, convention)
+    return plan, _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model), mask4, opts
+
+
+def _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model):
+    """:func:`varlen_attn.execution.route` of a call of the ops, marked as inside a compiled graph."""
     with compiled_graph():
-        r = execution.route(q, k, v, plan, mask4, opts, policy)
-    return plan, r, mask4, opts
+        return execution.route(q, k, v, plan, mask4, opts, Policy(backend, strict, float_mask, model))
 
 
 @attention_op.register_fake
@@ -487,8 +490,7 @@ def _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask
     """``(plan, route, opts)`` of the static op's forward and backward, from the plan's tensors."""
     plan = static_plan_of(plan_tensors, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
     opts = Options(scale, False, 0.0, gqa)
-    with compiled_graph():
-        return plan, execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model)), opts
+    return plan, _route(q, k, v, plan, None, opts, backend, strict, float_mask, model), opts
 
 
 @torch.library.custom_op("varlen_attn::static_attention", mutates_args=())
@@ -501,16 +503,27 @@ def static_attention_op(q: Tensor, k: Tensor, v: Tensor, plan_tensors: Tensor, p
     with torch._C.DisableTorchFunction():
         _checked(problems, float_mask, mask_dtype, mask_shape)
         plan, r, opts = _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask, model)
-        if r.fused:
-            out, lse = execution.forward_lse(q, k, v, plan, r, opts)
-            # Rows past cu_seqlens[-1] hold what the kernel left there: zeroed, as above.
-            past = torch.arange(lse.shape[-1], device=lse.device) >= plan.cu_seqlens_q[-1]
-            lse = lse.masked_fill(past, 0)
-        else:
-            with torch.no_grad():
-                out = execution.run(q, k, v, plan, None, r, opts)
-            lse = q.new_zeros((q.shape[2], plan.total_q), dtype=torch.float32)
+        try:
+            out, lse = _static_forward(q, k, v, plan, r, opts)
+        except KernelRefusedError:
+            if backend != "auto":
+                raise
+            # The backward op routes again from the same arguments and finds the same backend.
+            plan, r, opts = _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask, model)
+            out, lse = _static_forward(q, k, v, plan, r, opts)
         return out.contiguous(), lse
+
+
+def _static_forward(q, k, v, plan, r, opts):
+    """:func:`static_attention_op`'s ``(out, lse)`` on route ``r``."""
+    if r.fused:
+        out, lse = execution.forward_lse(q, k, v, plan, r, opts)
+        # Rows past cu_seqlens[-1] hold what the kernel left there: zeroed, as above.
+        past = torch.arange(lse.shape[-1], device=lse.device) >= plan.cu_seqlens_q[-1]
+        return out, lse.masked_fill(past, 0)
+    with torch.no_grad():
+        out = execution.run(q, k, v, plan, None, r, opts)
+    return out, q.new_zeros((q.shape[2], plan.total_q), dtype=torch.float32)
 
 
 @static_attention_op.register_fake
