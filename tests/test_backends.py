@@ -575,3 +575,28 @@ def test_a_bare_assert_of_flash_attn_4_is_named_by_its_condition(tmp_path, monke
     except AssertionError as e:
         text = _first_line(e)
     assert text == "AssertionError at fa4_like.py:2: assert k.shape == (3, 2)", text
+
+
+def test_a_refusal_of_flash_attn_4_inside_a_compiled_blocks_graph_reruns_that_block_on_the_next_backend(
+        fake_flash, monkeypatch):
+    """In blocks compiled on their own, auto's FA4 runs inside the graph (an opaque op chosen when
+    the block was traced). When FA4 refuses there, the block's boundary runs the call again on
+    the general route, where selection reads the refusal: the step completes on the next backend,
+    equal to stock, and stats() counts only what ran."""
+    from _testing import Recording, assert_model_close
+    from test_in_graph import N, _mask, _Model, _out_and_grads, _x
+
+    torch._dynamo.reset()
+    _fa4_first(monkeypatch)
+    monkeypatch.setattr(kernels.BACKENDS["flash_attn_4"], "MIN_HEAD_DIM", 8)  # the test model's head dim
+    refused = _refusing(monkeypatch, "_flash_attn_fwd", FA4_SAYS, 8)
+    stock, model = _Model(["padding", "keys"]), va.enable_varlen(_Model(["padding", "keys"]))
+    for block in model.blocks:
+        block.compile(fullgraph=True, backend=Recording())
+    for i in range(2):
+        va.reset_stats()
+        got = _out_and_grads(model, _x(i), _mask((3, 6, 1), N))
+        assert_model_close(got, _out_and_grads(stock, _x(i), _mask((3, 6, 1), N)), what=f"step {i}")
+        assert "flash_attn_4" not in va.stats()["backends"], va.stats()
+    assert len(refused) == 1
+    torch._dynamo.reset()

@@ -666,7 +666,8 @@ def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[
         if layout is None:
             raise InGraphDeclined("the mask is not one segment per batch element (a batch element with no "
                                   "valid key, several segments in a row)")
-        _stats.record_backend(chosen)
+        if BACKENDS[chosen].TRACEABLE:  # traced into the graph: no Python of ours runs it; counted here
+            _stats.record_backend(chosen)
         return layout.clone()
 
 
@@ -697,8 +698,15 @@ def native_kernel_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
     """Packed ``q [Tq, Hq, D]``, ``k, v [Tk, Hkv, D]`` -> ``(out [Tq, Hq, Dv], lse [Hq, Tq] float32)``
     by backend ``backend``'s own forward."""
     with torch._C.DisableTorchFunction():
-        out, lse = BACKENDS[backend].forward_lse(_static_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                max_seqlen_k, scale))
+        try:
+            out, lse = BACKENDS[backend].forward_lse(_static_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
+                                                                    max_seqlen_q, max_seqlen_k, scale))
+        except KernelRefusedError as e:
+            # The kernel was chosen when the block was traced. The block's boundary calls it again on
+            # the general route, whose selection reads the refusal (auto: the next backend; an
+            # explicit backend raises it there).
+            raise InGraphDeclined(f"{backend!r} refused the call: {e}") from e
+        _stats.record_backend(backend)
         return out.contiguous(), lse.float().contiguous()
 
 
