@@ -34,7 +34,8 @@ def _blocking(name: str) -> bool:
     return any(b in name for b in BLOCKING)
 
 
-def _merged(spans):
+def merged(spans) -> float:
+    """Length of the union of ``(start, end)`` spans."""
     total, end = 0.0, float("-inf")
     for a, b in sorted(spans):
         if b > end:
@@ -84,7 +85,7 @@ def summarize(path: str, slices: int = 10) -> dict:
     per_thread = []
     for tid, t in sorted(threads.items(), key=lambda kv: kv[1]["first"]):
         per_thread.append({"tid": tid, "launches": t["launches"], "span_ms": (t["last"] - t["first"]) / 1e3,
-                           "starts_at_ms": (t["first"] - t0) / 1e3, "gpu_ms": _merged(t["gpu"]) / 1e3,
+                           "starts_at_ms": (t["first"] - t0) / 1e3, "gpu_ms": merged(t["gpu"]) / 1e3,
                            "lag_median_ms": statistics.median(t["lags"]) / 1e3, "lag_p90_ms": _pct(t["lags"], 0.9) / 1e3})
 
     # Slices of the step.
@@ -93,7 +94,7 @@ def summarize(path: str, slices: int = 10) -> dict:
     cuts = []
     for i in range(slices):
         a, b = t0 + i * width, t0 + (i + 1) * width
-        busy = _merged([(max(x, a), min(y, b)) for x, y in spans if y > a and x < b])
+        busy = merged([(max(x, a), min(y, b)) for x, y in spans if y > a and x < b])
         here = [lag for s, lag, _ in lags if a <= s < b]
         cuts.append({"busy": busy / width, "lag_median_ms": statistics.median(here) / 1e3 if here else None})
 
@@ -118,7 +119,7 @@ def summarize(path: str, slices: int = 10) -> dict:
     waits = sorted((e for e in runtime if _blocking(e["name"])), key=lambda e: -e["dur"])
     top = [{"name": w["name"], "ms": w["dur"] / 1e3, "at_ms": (w["ts"] - t0) / 1e3, "tid": w["tid"], "in": around(w)}
            for w in waits[:6]]
-    return {"wall_ms": wall / 1e3, "gpu_busy_ms": _merged(spans) / 1e3, "host_end_ms": (host_end - t0) / 1e3,
+    return {"wall_ms": wall / 1e3, "gpu_busy_ms": merged(spans) / 1e3, "host_end_ms": (host_end - t0) / 1e3,
             "tail_ms": max(0.0, gpu_end - host_end) / 1e3, "threads": per_thread, "slices": cuts,
             "waits": {"count": len(waits), "ms": sum(w["dur"] for w in waits) / 1e3, "longest": top}}
 

@@ -54,11 +54,14 @@ import functools
 import gc
 import json
 import logging
+import os
 import statistics
+import tempfile
 import time
 import warnings
 
 import _common as C
+import timeline
 import torch
 import torch.nn.functional as F
 
@@ -349,13 +352,9 @@ def gpu_busy(v: Variant, batch: Batch, dev: torch.device) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         with C.Stopwatch(dev) as sw:
             v.step(batch)
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    busy, end = 0.0, float("-inf")
-    for a, b in spans:  # merged: kernels on several streams may overlap
-        if b > end:
-            busy += b - max(a, end)
-            end = b
+    spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
+    busy = timeline.merged(spans)  # kernels on several streams may overlap
     return {"busy_ms": busy / 1e3, "wall_ms": sw.ms, "busy_share": busy / 1e3 / sw.ms if sw.ms else None,
             "gpu_events": len(spans)}
 
@@ -556,11 +555,6 @@ def main():
 
     lines = {}
     if args.timeline and gpu:
-        import os
-        import tempfile
-
-        import timeline
-
         for v in (v for v in live if v.error is None):
             with tempfile.TemporaryDirectory() as tmp:  # a full-depth step's trace runs to 100s of MB
                 path = os.path.join(tmp, "trace.json")
@@ -590,8 +584,6 @@ def main():
     for v in variants:
         print(line(v.name, results[v.name], v.name.startswith("varlen:")))
     if lines:
-        import timeline
-
         print("one more step per variant under torch.profiler (benchmarks/timeline.py):")
         for name, summary_ in lines.items():
             print(timeline.describe(name, summary_))

@@ -97,15 +97,16 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
 # plan -> {what selection reads of a call: the backend}. Every layer of a forward shares its
 # plan and, nearly always, its heads, head dim and dtype: one selection per plan, not per call.
 # A kernel's refusal (KernelRefusedError) makes every earlier selection stale.
-_selected: "weakref.WeakKeyDictionary[VarlenPlan, dict]" = weakref.WeakKeyDictionary()
+_selected: "weakref.WeakKeyDictionary[VarlenPlan, tuple[int, dict]]" = weakref.WeakKeyDictionary()
 
 
 def _select(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -> Backend:
     key = (name, q.dtype, q.device, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], scale > 0,
            opts.causal, opts.dropout_p > 0, inside_compiled_graph())
-    chosen = _selected.get(plan)
-    if chosen is None or chosen.get("refusals") != refusals():
-        chosen = _selected[plan] = {"refusals": refusals()}
+    made, chosen = _selected.get(plan, (None, None))
+    if made != refusals():
+        chosen = {}
+        _selected[plan] = (refusals(), chosen)
     impl = chosen.get(key)
     if impl is None:
         # Selection reads heads, head dim, dtype and device (and the plan): per-token views do.
@@ -158,14 +159,24 @@ def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> tor
 
 
 def attend(q, k, v, plan: VarlenPlan | None, mask4, opts: Options, policy) -> torch.Tensor:
-    """:func:`route` then :func:`run`; under ``auto`` a call its kernel refused runs on the next
-    backend (the refusal made the kernel's backend unsupported for calls of this kind)."""
+    """:func:`route` then :func:`run` (:func:`rerouted`)."""
+    def choose():
+        return route(q, k, v, plan, mask4, opts, policy)
+
+    return rerouted(policy.backend, choose(), choose, lambda r: run(q, k, v, plan, mask4, r, opts))[1]
+
+
+def rerouted(backend: str, first, choose, call):
+    """``(route, call(route))``, ``route`` being ``first``. Under ``auto`` a call its kernel refused
+    (:class:`KernelRefusedError`) runs again on ``choose()``, the next backend: the refusal made the
+    kernel's backend unsupported for calls of this kind. An explicit backend raises it."""
     try:
-        return run(q, k, v, plan, mask4, route(q, k, v, plan, mask4, opts, policy), opts)
+        return first, call(first)
     except KernelRefusedError:
-        if policy.backend != "auto":
+        if backend != "auto":
             raise
-        return run(q, k, v, plan, mask4, route(q, k, v, plan, mask4, opts, policy), opts)
+        r = choose()
+        return r, call(r)
 
 
 def forward_lse(q, k, v, plan: VarlenPlan, r: Route, opts: Options):

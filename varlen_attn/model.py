@@ -190,12 +190,12 @@ def _follow_mask_arguments(scope: Scope, module, args, kwargs, forget: list):
     names = _param_names(type(module)) or ()
     out_args = None
     for i, value in enumerate(args):
-        if i < len(names) and "mask" in names[i] and _plain_mask(value):
+        if i < len(names) and _names_a_mask(names[i]) and _plain_mask(value):
             out_args = out_args or list(args)
             out_args[i] = _followed(scope, value, forget)
     out_kwargs = None
     for name, value in kwargs.items():
-        if "mask" in name and _plain_mask(value):
+        if _names_a_mask(name) and _plain_mask(value):
             out_kwargs = out_kwargs or dict(kwargs)
             out_kwargs[name] = _followed(scope, value, forget)
     return (args if out_args is None else tuple(out_args)), (kwargs if out_kwargs is None else out_kwargs)
@@ -705,7 +705,13 @@ def _mask_arguments(arguments: dict) -> list[tuple[str, str, torch.Tensor]]:
     as ``(argument name, name in it, tensor)``."""
     return [(name, sub, t) for name, value in arguments.items()
             for sub, t in (value.items() if isinstance(value, dict) else [(name, value)])
-            if "mask" in str(sub) and isinstance(t, torch.Tensor)]
+            if _names_a_mask(sub) and isinstance(t, torch.Tensor)]
+
+
+def _names_a_mask(name) -> bool:
+    """An argument named like a mask (``attention_mask``, ``encoder_hidden_states_mask``): a mask
+    input of a forward (:func:`_mask_arguments`) or of an attention module's call."""
+    return "mask" in str(name)
 
 
 def _traced_scope(state: _State, in_graph: bool = False) -> Scope:

@@ -179,13 +179,10 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
     with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
         plan, r, mask4, opts = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend,
                                               strict, convention, float_mask, model, _scope_of(forward))
-        try:
-            out, lse_buf = _op_forward(q, k, v, plan, r, mask4, opts)
-        except KernelRefusedError:
-            if backend != "auto":
-                raise
-            r = _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model)  # reads the refusal
-            out, lse_buf = _op_forward(q, k, v, plan, r, mask4, opts)
+        # After a refusal the route is chosen again, not the plan (no second read, no second count).
+        r, (out, lse_buf) = execution.rerouted(
+            backend, r, lambda: _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model),
+            lambda r: _op_forward(q, k, v, plan, r, mask4, opts))
         return out.contiguous(), lse_buf, _hold((plan, r, mask4, opts))
 
 
@@ -502,15 +499,11 @@ def static_attention_op(q: Tensor, k: Tensor, v: Tensor, plan_tensors: Tensor, p
     dtype and shape name it in errors."""
     with torch._C.DisableTorchFunction():
         _checked(problems, float_mask, mask_dtype, mask_shape)
-        plan, r, opts = _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask, model)
-        try:
-            out, lse = _static_forward(q, k, v, plan, r, opts)
-        except KernelRefusedError:
-            if backend != "auto":
-                raise
-            # The backward op routes again from the same arguments and finds the same backend.
-            plan, r, opts = _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask, model)
-            out, lse = _static_forward(q, k, v, plan, r, opts)
+
+        def state():  # after a refusal the backward op, routing again from the same arguments, agrees
+            return _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask, model)
+
+        _, (out, lse) = execution.rerouted(backend, state(), state, lambda s: _static_forward(q, k, v, *s))
         return out.contiguous(), lse
 
 

@@ -349,6 +349,15 @@ def traced_signature(mask) -> tuple[list, str]:
     return (roots, text) if text else ([], "")
 
 
+class _Text:
+    """A piece of a derivation's text given as it is (a like factory's template)."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+
 def _trace_text(a, roots: list):
     if isinstance(a, torch.Tensor):
         if hasattr(a, TRACED):
@@ -356,11 +365,10 @@ def _trace_text(a, roots: list):
             if rec is None:
                 return None
             name, is_like, args, kwargs = rec
-            # As Scope.derive: only a like factory's template (its first argument) by metadata.
-            head = "meta" + str(tuple(args[0].shape)) + str(args[0].dtype) + "," if (
-                is_like and args and isinstance(args[0], torch.Tensor)) else ""
-            inner = _trace_text(args[1:] if head else args, roots)
-            inner = None if inner is None else "(" + head + inner[1:]
+            if is_like and args and isinstance(args[0], torch.Tensor):
+                # As Scope.derive: only a like factory's template (its first argument) by metadata.
+                args = (_Text("meta" + str(tuple(args[0].shape)) + str(args[0].dtype)), *args[1:])
+            inner = _trace_text(args, roots)
             kw = _trace_text(kwargs, roots)
             return None if inner is None or kw is None else name + inner + kw
         if getattr(a, KEYED, False):
@@ -375,6 +383,8 @@ def _trace_text(a, roots: list):
                 return None
             parts.append(s)
         return "(" + ",".join(parts) + ")"
+    if isinstance(a, _Text):
+        return a.text
     if isinstance(a, slice):
         return "slice(" + repr(a.start) + "," + repr(a.stop) + "," + repr(a.step) + ")"
     if a is None or a is Ellipsis or isinstance(a, (bool, int, float, str)):
