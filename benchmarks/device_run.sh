@@ -32,6 +32,11 @@ for s in $STEPS; do case $s in
         ${TRAIN_ARGS:-} --json "$OUT/$name.json" --png "$OUT/$name.png" 2>&1 | tail -14 | tee "$OUT/$name.txt"; done; done ;;
   profile) run 300 python3 benchmarks/profile_step.py ${PROFILE_ARGS:---px 512 --compile blocks --double 2 --single 4} 2>&1 \
       | grep -v "^-\{20\}" | tee "$OUT/profile_step.txt" | head -150 ;;
+  hostprof) # cProfile of a training step's host time per variant ($HOSTPROF_ARGS: train_step.py's arguments)
+      for variant in ${HOSTPROF_VARIANTS:-stock varlen:torch varlen:auto}; do
+        run 150 python3 benchmarks/host_profile.py --variant $variant --seconds ${HOSTPROF_SECONDS:-15} \
+          --cprofile "$OUT/hostprof_${variant/:/_}.prof" ${HOSTPROF_ARGS:---model qwen --px 512 --layers 20} 2>&1 \
+          | tail -32 | tee "$OUT/hostprof_${variant/:/_}.txt"; done ;;
   example) run 150 python3 examples/train_chroma.py 2>&1 | tail -8 | tee "$OUT/train_chroma.txt" ;;
   compare) # before/after: $OLD holds the other checkout's varlen_attn (+ kernels_ref); rounds interleaved
       for round in 1 2 3; do
