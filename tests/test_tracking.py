@@ -793,6 +793,68 @@ def test_a_mask_written_through_out_gets_a_new_plan(grad):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+def _drop_key(mask, j, how, held):
+    """Write key position ``j`` of every row of ``mask`` to False behind its version counter."""
+    if how == "data":
+        mask.data[:, j] = False
+    elif how == "data set":
+        keep = torch.ones(mask.shape[1], dtype=torch.bool)
+        keep[j] = False
+        mask.data = torch.logical_and(mask.data, keep)
+    elif how == "numpy":
+        mask.numpy()[:, j] = False
+    elif how == "storage":
+        storage = mask.untyped_storage()  # bool: one byte per element
+        for b in range(mask.shape[0]):
+            storage[b * mask.shape[1] + j] = 0
+    else:  # "handle kept": the first layer takes .data, every layer writes through it
+        if "data" not in held:
+            held["data"] = mask.data
+        held["data"][:, j] = False
+
+
+class _WritesBehindTheCounter(_CastsItsMask):
+    """Layer i drops one more key position of the model's mask, through what bumps no version
+    counter (``.data``, NumPy, the storage): the next layers must not reuse an earlier plan."""
+
+    def forward(self, x, mask):
+        _drop_key(mask, 4 - self.index, self.how, self.held)
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("grad", ["train", "inference_mode"])
+@pytest.mark.parametrize("how", ["data", "data set", "numpy", "storage", "handle kept"])
+def test_a_mask_written_behind_its_version_counter_gets_a_new_plan(how, grad):
+    torch.manual_seed(0)
+    stock = _CastNet(_SAME["as_is"], layers=3)
+    held = {}
+    for i, layer in enumerate(stock.layers):
+        layer.__class__ = _WritesBehindTheCounter
+        layer.index, layer.how, layer.held = i, how, held
+    model = va.enable_varlen(copy.deepcopy(stock))
+    for layer in model.layers:
+        layer.held = held  # one handle for both models' layers, taken anew each forward
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    for _ in range(3):  # the first forward under the mode, then tracked masks
+        keep = torch.ones(3, 5, dtype=torch.bool)
+        va.reset_stats()
+        held.clear()
+        if grad == "train":
+            got = step(model, {"x": x, "attention_mask": keep.clone()})
+            held.clear()
+            assert_model_close(got, step(stock, {"x": x, "attention_mask": keep.clone()}), what=how)
+        else:
+            with torch.inference_mode():
+                got = model(x, keep.clone())[0]
+                held.clear()
+                want = stock(x, keep.clone())[0]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        st = va.stats()
+        # Every attention call ran packed (none went to stock SDPA unseen), on a plan of its own.
+        assert st["backends"] == {"split_sdpa": 3} and st["fallbacks"] == {}, (how, st)
+        assert st["plan_builds"] == 3, (how, st)
+
+
 @pytest.mark.parametrize("how", ["blocks compiled", "model compiled"])
 def test_a_mask_cast_to_itself_in_compiled_layers_keeps_one_plan(how, fresh_dynamo):
     """The same under torch.compile (aot_eager): a traced ``mask.bool()`` is a new tensor of the

@@ -106,6 +106,10 @@ def _written(func, args, kwargs) -> tuple:
 def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     """Run ``func`` eagerly and key what it makes from keyed masks (:meth:`Scope.derive`);
     ``tracked``: a new keyed output becomes a :class:`TrackedMask`."""
+    if scopes.escapes(func):  # ``mask.data``, ``mask.numpy()``: writes through them bump no version
+        if args and isinstance(args[0], torch.Tensor):
+            scope.escape(args[0])
+        return func(*args, **kwargs)
     written = _written(func, args, kwargs)
     if written:
         if scope.entered_late() and any(scope.key_of(t) is not None for t in written):
@@ -132,6 +136,11 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
         return out
     if scopes.keyable_output(out):
         key = scope.derive(func, args, kwargs)
+        if key is None and tracked and scope.escaped and type(out) is not TrackedMask and any(
+                type(a) is TrackedMask for a in scopes.flat(args, kwargs)):
+            # Made from a tracked mask whose memory escaped (Scope.escape): unkeyed, but still a
+            # tracked mask, so the attention call it reaches comes to varlen_attn (plan by value).
+            return out.as_subclass(TrackedMask)
         if key is not None:
             if scope.tracking == scopes.MODE and scope.entered_late() and any(
                     isinstance(a, torch.Tensor) and _plain_key(scope.key_of(a)) for a in scopes.flat(args, kwargs)):
@@ -246,8 +255,9 @@ class TrackedMask(torch.Tensor):
         kwargs = kwargs or {}
         scope = scopes.current_scope()
         with torch._C.DisableTorchFunctionSubclass():
-            if (scope is None or scope.tracking == scopes.MODE or torch.compiler.is_compiling()
-                    or getattr(func, "__name__", "") == "__get__"):  # attributes: .shape, .dtype
+            if scope is None or scope.tracking == scopes.MODE or torch.compiler.is_compiling():
+                return func(*args, **kwargs)
+            if getattr(func, "__name__", "") == "__get__" and not scopes.escapes(func):  # .shape, .dtype
                 return func(*args, **kwargs)
             if func is F.scaled_dot_product_attention:
                 adopt_checkpoint(scope)

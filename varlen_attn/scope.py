@@ -126,6 +126,30 @@ def _random(name: str) -> bool:
     return any(word in name for word in _NONDETERMINISTIC)
 
 
+# What hands a tensor's memory out past PyTorch's version counter: ``.data`` (read or set), its
+# storage, NumPy and DLPack views. A write through what they return bumps no version, so no key
+# can trust the tensor's content after one of them (Scope.escape).
+_DATA = torch._C.TensorBase.__dict__["data"]
+_CUDA_ARRAY = torch.Tensor.__dict__.get("__cuda_array_interface__")
+_ESCAPING = frozenset({"numpy", "untyped_storage", "storage", "_typed_storage", "__dlpack__", "__array__"})
+
+
+def escapes(func) -> bool:
+    """``func`` hands out its tensor's memory where writes bump no version counter."""
+    owner = getattr(func, "__self__", None)  # a descriptor's __get__ / __set__: .data, __cuda_array_interface__
+    if owner is not None and (owner is _DATA or owner is _CUDA_ARRAY):
+        return True
+    return getattr(func, "__name__", "") in _ESCAPING
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    with torch._C.DisableTorchFunction():  # no hook or tracked mask sees this read
+        try:
+            return t.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # a tensor without storage
+            return None
+
+
 def keyable_output(out) -> bool:
     """The outputs a derivation is recorded for, eager and traced: masks are bool or carry no
     gradient (activations of a trained model do)."""
@@ -173,6 +197,8 @@ class Scope:
         # id(compiled block) -> whether its attention ran in the graph in this forward
         # (model._Boundary): its checkpoint recomputation takes the same route.
         self.routes: dict[int, bool] = {}
+        # Storages whose memory was handed out past the version counter in this forward (escape).
+        self.escaped: set[int] = set()
 
     def add_root(self, name: str, t: torch.Tensor, given: torch.Tensor | None = None) -> None:
         """A mask input of the model: the start of every derivation. ``t`` is what the forward
@@ -186,7 +212,21 @@ class Scope:
         entry = self.derived.get(id(t))
         if entry is None or entry[0]() is not t or entry[2] != version(t):
             return None
+        if self.escaped and _storage_ptr(t) in self.escaped:
+            return None
         return entry[1]
+
+    def escape(self, t: torch.Tensor) -> None:
+        """``t``'s memory was handed out where writes bump no version counter (:func:`escapes`):
+        ``t`` and every tensor on its storage go unkeyed for the rest of this forward, so an
+        attention call with such a mask gets no plan by key: :func:`resolve_plan` takes the plan
+        cache, which compares the mask with the values its plan was built from."""
+        ptr = _storage_ptr(t)
+        if ptr is not None:
+            self.escaped.add(ptr)
+        with torch._C.DisableTorchFunction():
+            self.forget_aliases(t)
+        self.forget(t)
 
     def mark(self, t: torch.Tensor, key) -> None:
         self.derived[id(t)] = (weakref.ref(t), key, version(t))
@@ -508,7 +548,7 @@ def resolve_plan(
         if key is None and derivation:
             keys = tuple(scope.key_of(r) or scope.key_object(r) for r in roots)
             key = keys[0] if derivation == "r0" else ("traced", derivation, keys)
-        if key is None and not graph:
+        if key is None and not graph and not (scope.escaped and _storage_ptr(mask) in scope.escaped):
             key = scope.key_object(mask)
     pkey = None if key is None else (key, batch, heads, seqlen_q, seqlen_k, convention, as_bool, str(mask.device))
     found = scope.plans.get(pkey) if pkey is not None else None
