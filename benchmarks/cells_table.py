@@ -1,18 +1,19 @@
 """The README's table of the headline cells from train_step.py's JSON files (not a test):
 
-    python benchmarks/cells_table.py results/cells_h200/*.json
+    python benchmarks/cells_table.py results/cells_h200/*.json [--png cells.png]
 
 One row per file (a cell: model, px, compile), in the order given: stock's median ms per step,
 then per variant its median and stock / variant (with two rounds or more, the median and range
 of the per-round ratios), host syncs and plans per step of the varlen variants, the backends that
 ran, and peak memory of stock against the highest varlen variant. The GPU and versions of the
-first file head the table; a file from another GPU or other versions is flagged.
+first file head the table; a file from another GPU or other versions is flagged. ``--png``: a chart
+of stock / variant per cell, by the median step and by the fastest step (matplotlib).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 
 
 def ratio(r: dict) -> str:
@@ -32,11 +33,47 @@ def cell(name: str, r: dict | None) -> str:
     return f"**{text}**" if name != "stock" and r["stock_over_variant"] >= 1.0 else text
 
 
+VARIANTS = (("nomask", "no mask"), ("varlen:auto", "varlen auto"), ("varlen:torch", "varlen torch"))
+
+
+def write_png(path: str, runs: list[dict], title: str) -> None:
+    """Stock / variant per cell: the median step (bars) and the fastest step (dots)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--png {path}: skipped, matplotlib is not installed")
+        return
+    labels = [f"{r['config']['model']} {r['config']['px']} {r['config']['compile']} ({r['rounds_run']} rd)" for r in runs]
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(runs) * len(VARIANTS) / 2 + 2))
+    height = 0.8 / len(VARIANTS)
+    for j, (key, name) in enumerate(VARIANTS):
+        ys = [i + (j - 1) * height for i in range(len(runs))]
+        med = [r["results"].get(key, {}).get("stock_over_variant") or 0 for r in runs]
+        fast = [min(r["results"]["stock"]["times_ms"]) / min(r["results"][key]["times_ms"])
+                if r["results"].get(key, {}).get("times_ms") else 0 for r in runs]
+        ax.barh(ys, med, height=height, label=f"{name}: median step", color=f"C{j}")
+        ax.scatter(fast, ys, s=12, color="black", zorder=3, label="fastest step" if j == 0 else None)
+    ax.axvline(1.0, color="gray", lw=1)
+    ax.set_yticks(range(len(runs)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("stock / variant (higher is faster than stock)")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main():
-    files = sys.argv[1:]
-    if not files:
-        raise SystemExit(__doc__)
-    runs = [json.load(open(f)) for f in files]
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("files", nargs="+")
+    ap.add_argument("--png", default=None)
+    args = ap.parse_args()
+    runs = [json.load(open(f)) for f in args.files]
     env = runs[0]["env"]
     print(f"{env['gpu']}, torch {env['torch']}, flash-attn-4 {env['flash_attn_4']}, diffusers "
           f"{env['diffusers']}, peft {env['peft']}; median ms per step (stock / variant)\n")
@@ -54,6 +91,9 @@ def main():
         print(f"| {c['model']}{flag} | {c['px']} | {c['compile']} | {run['rounds_run']} | {res['stock']['median_ms']:.1f} | "
               f"{cell('nomask', res.get('nomask'))} | {cell('auto', res.get('varlen:auto'))} | "
               f"{cell('torch', res.get('varlen:torch'))} | {syncs} / {plans} | {ran} | {peak} |")
+    if args.png:
+        write_png(args.png, runs, f"{env['gpu']}, torch {env['torch']}, flash-attn-4 {env['flash_attn_4']}: "
+                  "stock / variant per training step")
 
 
 if __name__ == "__main__":
