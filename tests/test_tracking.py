@@ -855,6 +855,75 @@ def test_a_mask_written_behind_its_version_counter_gets_a_new_plan(how, grad):
         assert st["plan_builds"] == 3, (how, st)
 
 
+class _OneMaskNet(torch.nn.Module):
+    """Every layer attends with the same 4-D mask tensor; layer 0 puts it on a buffer's storage
+    (``.data = buffer``), and layer i drops key position 4 - i through the buffer."""
+
+    def __init__(self, layers=3):
+        super().__init__()
+        self.projs = torch.nn.ModuleList(torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(layers))
+
+    def forward(self, x, attention_mask, return_dict=False):
+        m = attention_mask[:, None, None, :].clone()
+        buffer = torch.ones_like(m)
+        for i, proj in enumerate(self.projs):
+            if i == 0:
+                m.data = buffer
+            buffer[..., 4 - i] = False
+            q = proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+            x = x + F.scaled_dot_product_attention(q, q, q, attn_mask=m).transpose(1, 2).flatten(2)
+        return (x,)
+
+
+@pytest.mark.parametrize("grad", ["train", "inference_mode"])
+def test_a_mask_put_on_a_buffer_and_written_through_it_gets_a_new_plan(grad):
+    torch.manual_seed(0)
+    stock = _OneMaskNet()
+    model = va.enable_varlen(copy.deepcopy(stock))
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    for _ in range(3):
+        keep = torch.ones(3, 5, dtype=torch.bool)
+        va.reset_stats()
+        if grad == "train":
+            assert_model_close(step(model, {"x": x, "attention_mask": keep.clone()}),
+                               step(stock, {"x": x, "attention_mask": keep.clone()}), what=".data = buffer")
+        else:
+            with torch.inference_mode():
+                got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert va.stats()["backends"] == {"split_sdpa": 3}, va.stats()
+
+
+class _ReadsItsMaskOut(_CastsItsMask):
+    """Hands the mask's memory out (read only) after its attention call, then multiplies the
+    activations by the mask, and takes ``.data`` of a tensor without storage (sparse)."""
+
+    def forward(self, x, mask):
+        x = super().forward(x, mask)
+        mask.numpy()
+        torch.eye(2).to_sparse().data  # noqa: B018 - the escape of a tensor without storage
+        return x * mask[..., None].to(x.dtype)
+
+
+def test_an_escaped_mask_leaves_activations_plain_tensors():
+    """After an escape, what is made from the mask and an activation is no tracked mask: the
+    model hands back plain tensors, and the forwards after the first keep tracking masks."""
+    torch.manual_seed(0)
+    stock = _CastNet(_SAME["as_is"], layers=3)
+    for layer in stock.layers:
+        layer.__class__ = _ReadsItsMaskOut
+    model = va.enable_varlen(copy.deepcopy(stock))
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    keep = torch.arange(5)[None] < torch.tensor([5, 3, 1])[:, None]
+    for i in range(3):
+        va.reset_stats()
+        with torch.no_grad():
+            got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
+        assert type(got) is torch.Tensor, type(got)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert va.stats()["forwards"] == ({"mode": 1} if i == 0 else {"tracked": 1}), va.stats()
+
+
 @pytest.mark.parametrize("how", ["blocks compiled", "model compiled"])
 def test_a_mask_cast_to_itself_in_compiled_layers_keeps_one_plan(how, fresh_dynamo):
     """The same under torch.compile (aot_eager): a traced ``mask.bool()`` is a new tensor of the

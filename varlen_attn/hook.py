@@ -106,10 +106,14 @@ def _written(func, args, kwargs) -> tuple:
 def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
     """Run ``func`` eagerly and key what it makes from keyed masks (:meth:`Scope.derive`);
     ``tracked``: a new keyed output becomes a :class:`TrackedMask`."""
-    if scopes.escapes(func):  # ``mask.data``, ``mask.numpy()``: writes through them bump no version
-        if args and isinstance(args[0], torch.Tensor):
-            scope.escape(args[0])
-        return func(*args, **kwargs)
+    if scopes.escapes(func):  # ``mask.data``, ``mask.numpy()``, ``mask.set_(buf)``: writes bump no version
+        tensors = [a for a in scopes.flat(args, kwargs) if isinstance(a, torch.Tensor)]
+        for t in tensors:  # the tensor, and a source whose storage it takes (``set_``, ``.data =``)
+            scope.escape(t)
+        out = func(*args, **kwargs)
+        if tensors:
+            scope.escape(tensors[0])  # its storage now, if it took another's
+        return out
     written = _written(func, args, kwargs)
     if written:
         if scope.entered_late() and any(scope.key_of(t) is not None for t in written):
@@ -136,8 +140,7 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
         return out
     if scopes.keyable_output(out):
         key = scope.derive(func, args, kwargs)
-        if key is None and tracked and scope.escaped and type(out) is not TrackedMask and any(
-                type(a) is TrackedMask for a in scopes.flat(args, kwargs)):
+        if key is None and tracked and scope.escaped and type(out) is not TrackedMask and _from_masks(args, kwargs, out):
             # Made from a tracked mask whose memory escaped (Scope.escape): unkeyed, but still a
             # tracked mask, so the attention call it reaches comes to varlen_attn (plan by value).
             return out.as_subclass(TrackedMask)
@@ -152,6 +155,15 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
                 out = out.as_subclass(TrackedMask)
             _mark(scope, out, key)
     return out
+
+
+def _from_masks(args, kwargs, out: torch.Tensor) -> bool:
+    """``out`` is a mask made from tracked masks: a bool output of a call taking one, or any
+    output of a call whose tensor inputs all are (not an activation multiplied by a mask)."""
+    tensors = [a for a in scopes.flat(args, kwargs) if isinstance(a, torch.Tensor)]
+    if not any(type(a) is TrackedMask for a in tensors):
+        return False
+    return out.dtype == torch.bool or all(type(a) is TrackedMask for a in tensors)
 
 
 def _mark(scope: scopes.Scope, t: torch.Tensor, key) -> bool:

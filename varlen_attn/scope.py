@@ -131,15 +131,19 @@ def _random(name: str) -> bool:
 # can trust the tensor's content after one of them (Scope.escape).
 _DATA = torch._C.TensorBase.__dict__["data"]
 _CUDA_ARRAY = torch.Tensor.__dict__.get("__cuda_array_interface__")
-_ESCAPING = frozenset({"numpy", "untyped_storage", "storage", "_typed_storage", "__dlpack__", "__array__"})
+# ``.data =`` and ``set_`` put the tensor on another one's storage, whose writes bump the other's
+# version, not this one's. ``Tensor.set_`` itself and ``torch.utils.dlpack.to_dlpack`` do not go
+# through ``__torch_function__`` (only the op overload ``torch.ops.aten.set_`` does): not seen.
+_ESCAPING = frozenset({"numpy", "untyped_storage", "storage", "_typed_storage", "__dlpack__", "__array__", "set_"})
 
 
 def escapes(func) -> bool:
-    """``func`` hands out its tensor's memory where writes bump no version counter."""
+    """``func`` hands out its tensor's memory, or takes another's, where writes bump no version
+    counter of the tensor."""
     owner = getattr(func, "__self__", None)  # a descriptor's __get__ / __set__: .data, __cuda_array_interface__
     if owner is not None and (owner is _DATA or owner is _CUDA_ARRAY):
         return True
-    return getattr(func, "__name__", "") in _ESCAPING
+    return getattr(func, "__name__", "").partition(".")[0] in _ESCAPING  # op overloads: set_.source_Tensor
 
 
 def _storage_ptr(t: torch.Tensor) -> int | None:
@@ -224,7 +228,6 @@ class Scope:
         ptr = _storage_ptr(t)
         if ptr is not None:
             self.escaped.add(ptr)
-        with torch._C.DisableTorchFunction():
             self.forget_aliases(t)
         self.forget(t)
 
@@ -247,10 +250,12 @@ class Scope:
     def forget_aliases(self, t: torch.Tensor) -> None:
         """Drop the keys of every other keyed tensor on ``t``'s storage (its views and bases):
         ``t`` was written in place where no version counter tells them (an inference tensor)."""
-        ptr = t.untyped_storage().data_ptr()
+        ptr = _storage_ptr(t)
+        if ptr is None:  # no storage (sparse, nested): no alias to find
+            return
         for i, (ref, _, _) in list(self.derived.items()):
             other = ref()
-            if other is not None and other is not t and other.untyped_storage().data_ptr() == ptr:
+            if other is not None and other is not t and _storage_ptr(other) == ptr:
                 del self.derived[i]
 
     def _arg_key(self, a, like: bool):
