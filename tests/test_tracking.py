@@ -784,13 +784,20 @@ def test_a_mask_written_through_out_gets_a_new_plan(grad):
     x = torch.randn(3, 5, 16, dtype=torch.float64)
     keep = torch.ones(3, 5, dtype=torch.bool)
     for _ in range(2):
-        if grad == "train":
-            assert_model_close(step(model, {"x": x, "attention_mask": keep.clone()}),
-                               step(stock, {"x": x, "attention_mask": keep.clone()}), what="out=")
-        else:
-            with torch.inference_mode():
-                got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        _assert_as_stock(model, stock, x, keep, grad, "out=")
+
+
+def _assert_as_stock(model, stock, x, keep, grad: str, what: str) -> None:
+    """``model`` and ``stock`` agree on ``(x, keep)``: output and gradients of a training step
+    (``grad="train"``), or the output under ``torch.inference_mode``. Each gets its own copy of
+    ``keep`` (the models write their masks)."""
+    if grad == "train":
+        assert_model_close(step(model, {"x": x, "attention_mask": keep.clone()}),
+                           step(stock, {"x": x, "attention_mask": keep.clone()}), what=what)
+    else:
+        with torch.inference_mode():
+            got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def _drop_key(mask, j, how, held):
@@ -884,13 +891,7 @@ def test_a_mask_put_on_a_buffer_and_written_through_it_gets_a_new_plan(grad):
     for _ in range(3):
         keep = torch.ones(3, 5, dtype=torch.bool)
         va.reset_stats()
-        if grad == "train":
-            assert_model_close(step(model, {"x": x, "attention_mask": keep.clone()}),
-                               step(stock, {"x": x, "attention_mask": keep.clone()}), what=".data = buffer")
-        else:
-            with torch.inference_mode():
-                got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
-            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        _assert_as_stock(model, stock, x, keep, grad, ".data = buffer")
         assert va.stats()["backends"] == {"split_sdpa": 3}, va.stats()
 
 
