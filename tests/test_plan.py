@@ -82,6 +82,23 @@ def test_additive_rows_follow_shift_invariance():
     assert p.indices_q.tolist() == [0, 2]
 
 
+@pytest.mark.parametrize("value", [torch.finfo(torch.float64).min, torch.finfo(torch.float32).min, -1e9, -1e5])
+def test_a_row_of_keys_under_a_swamping_negative_runs_on_masked_sdpa(value):
+    """A batch element with no valid key, masked with ``finfo.min`` (the Hugging Face convention)
+    or another value that swamps the scores: SDPA rounds ``score + value`` (a uniform row at
+    ``finfo.min``), which no varlen kernel computes, so the call runs on masked SDPA with the
+    reason recorded. ``-10000`` rows stay packed (``test_additive_rows_follow_shift_invariance``)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 6, 8, dtype=torch.float64) for _ in range(3))
+    keep = torch.arange(6)[None] < torch.tensor([6, 3, 0])[:, None]  # element 2: no valid key
+    mask = torch.zeros(3, 6, dtype=torch.float64).masked_fill(~keep, value)[:, None, None, :]
+    va.reset_stats()
+    got = va.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
+    assert not va.build_plan(mask, convention="torch").packable
+    assert va.stats()["backends"] == {"sdpa": 1} and any("large negative" in r for r in va.stats()["fallbacks"])
+
+
 def test_float01_mask_is_a_bias():
     m = torch.tensor([[1.0, 1.0, 0.0, 0.0]])
     p = va.build_plan(m)

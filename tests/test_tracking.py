@@ -895,6 +895,51 @@ def test_a_mask_put_on_a_buffer_and_written_through_it_gets_a_new_plan(grad):
         assert va.stats()["backends"] == {"split_sdpa": 3}, va.stats()
 
 
+class _DerivesPerLayer(torch.nn.Module):
+    """Layer ``i`` attends with ``derive(i, mask)``."""
+
+    def __init__(self, derive, layers=3):
+        super().__init__()
+        self.derive = derive
+        self.projs = torch.nn.ModuleList(torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(layers))
+
+    def forward(self, x, attention_mask, return_dict=False):
+        for i, proj in enumerate(self.projs):
+            q = proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+            m = self.derive(i, attention_mask)
+            x = x + F.scaled_dot_product_attention(q, q, q, attn_mask=m).transpose(1, 2).flatten(2)
+        return (x,)
+
+
+_PER_LAYER = {
+    # True == 1 as Python values, not as indices: a bool index selects, an int one gathers.
+    "bool or int index": lambda i, m: m[:, torch.tensor([True] * 5) if i == 0 else torch.tensor([1] * 5)][
+        :, None, None, :],
+    # Random draws keyed like deterministic functions reused the first layer's plan.
+    "poisson": lambda i, m: (m & (torch.poisson(m.double() * 2.0) > 1))[:, None, None, :],
+    "binomial": lambda i, m: (m & (torch.binomial(torch.full(m.shape, 3.0, dtype=torch.float64),
+                                                  torch.full(m.shape, 0.5, dtype=torch.float64)) > 1))[:, None, None, :],
+    "gamma": lambda i, m: (m & (torch._standard_gamma(torch.full(m.shape, 2.0, dtype=torch.float64)) > 1.5))[
+        :, None, None, :],
+}
+
+
+@pytest.mark.parametrize("how", list(_PER_LAYER))
+def test_masks_each_layer_derives_differently_get_their_own_plans(how):
+    torch.manual_seed(0)
+    stock = _DerivesPerLayer(_PER_LAYER[how])
+    model = va.enable_varlen(copy.deepcopy(stock))
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    for i in range(3):  # the first forward under the mode, then how it learned
+        keep = torch.arange(5)[None] < torch.tensor([5, 4, 3])[:, None]
+        with torch.no_grad():
+            torch.manual_seed(100 + i)
+            got = model(x, keep.clone())[0]
+            torch.manual_seed(100 + i)
+            want = stock(x, keep.clone())[0]
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{how}, forward {i}")
+
+
 class _ReadsItsMaskOut(_CastsItsMask):
     """Hands the mask's memory out (read only) after its attention call, then multiplies the
     activations by the mask, and takes ``.data`` of a tensor without storage (sparse)."""

@@ -21,7 +21,9 @@ query row, the keys whose value equals the row maximum are kept; a key at least
 ``exp(-1000)`` relative weight, which underflows to exactly zero even in float64, so it is
 dropped; anything in between is a real bias and the mask is not packable. Hence a row where
 every key carries ``-10000`` attends to *all* its keys, as SDPA does, and a row of ``-inf``
-returns zeros. Bool masks: True keeps.
+returns zeros. A row whose kept keys carry :data:`SWAMP` or more below zero (``finfo.min`` on a
+row with no valid key) is not packable either: SDPA rounds ``score + value`` there. Bool masks:
+True keeps.
 """
 
 from __future__ import annotations
@@ -36,7 +38,12 @@ DROP_GAP = 1000.0
 """A float mask value this far below its row's maximum drops the key (exp(-1000) == 0.0)."""
 
 # Order of the device flags that decide packability; the plan layer turns them into reasons.
-FLAG_NAMES = ("nan", "posinf", "bias", "per_head", "structure")
+FLAG_NAMES = ("nan", "posinf", "bias", "per_head", "swamped", "structure")
+
+SWAMP = 1e5
+"""A row whose kept keys carry this much below zero or more (``finfo.min`` on a row with no valid
+key): SDPA adds the value to the scores, and its rounding there (float32: 0.004 at 1e5, the whole
+score at ``finfo.min``, a uniform row) is no softmax a varlen kernel computes."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,11 +123,11 @@ def canonical_mask(
 
 
 def _keep(mask4: torch.Tensor):
-    """``(keep [B|1, Sq|1, Sk], nan, posinf, bias, per_head)``: which keys each query keeps
-    (head 0's; see the module docstring) and the device flags that reading found."""
+    """``(keep [B|1, Sq|1, Sk], nan, posinf, bias, per_head, swamped)``: which keys each query
+    keeps (head 0's; see the module docstring) and the device flags that reading found."""
     if mask4.dtype == torch.bool:
         keep = mask4
-        nan = posinf = bias = torch.zeros((), dtype=torch.bool, device=mask4.device)
+        nan = posinf = bias = swamped = torch.zeros((), dtype=torch.bool, device=mask4.device)
     else:
         nan = torch.isnan(mask4).any()
         posinf = torch.isposinf(mask4).any()
@@ -128,16 +135,17 @@ def _keep(mask4: torch.Tensor):
         # -inf row max: every key dropped, SDPA returns a zero row.
         keep = (mask4 == row_max) & (row_max > float("-inf"))
         bias = ((mask4 != row_max) & (mask4 > row_max - DROP_GAP)).any()
+        swamped = ((row_max <= -SWAMP) & (row_max > float("-inf"))).any()
     if keep.shape[1] > 1:
         per_head = (keep != keep[:, :1]).any()
     else:
         per_head = torch.zeros((), dtype=torch.bool, device=mask4.device)
-    return keep[:, 0], nan, posinf, bias, per_head
+    return keep[:, 0], nan, posinf, bias, per_head, swamped
 
 
 def analyze(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int) -> MaskAnalysis:
     """Read a ``[B|1, H|1, Sq|1, Sk]`` mask as segments (see the module docstring). No sync."""
-    keep, nan, posinf, bias, per_head = _keep(mask4)
+    keep, nan, posinf, bias, per_head, swamped = _keep(mask4)
     seqlen_k = keep.shape[-1]
     row_any = keep.any(dim=-1)
     # argmax returns the first maximal index: the first kept key of each row is its segment id.
@@ -150,12 +158,12 @@ def analyze(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int) -> MaskAnaly
 
     seg_q = seg_row.expand(batch_size, seqlen_q)
     seg_k = seg_col.expand(batch_size, seqlen_k)
-    flags = torch.stack([nan, posinf, bias, per_head, structure]).to(torch.int64)
+    flags = torch.stack([nan, posinf, bias, per_head, swamped, structure]).to(torch.int64)
     return MaskAnalysis(seg_q, seg_k, flags)
 
 
 # Order of read_padding's device flags: a padding mask raises none.
-PADDING_FLAG_NAMES = ("nan", "posinf", "bias", "per_head", "not_padding")
+PADDING_FLAG_NAMES = ("nan", "posinf", "bias", "per_head", "swamped", "not_padding")
 
 
 def read_padding(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int, seqlen_k: int):
@@ -168,11 +176,11 @@ def read_padding(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int, seqlen_
     query-and-key padding and diffusers' outer products are; ``not_padding`` flags any other. No
     sync, and no op beyond elementwise work and reductions over the mask, so a compiler fuses it
     (the plan CUDA graphs replay is built in the graph: :mod:`varlen_attn.op`)."""
-    keep, nan, posinf, bias, per_head = _keep(mask4)
+    keep, nan, posinf, bias, per_head, swamped = _keep(mask4)
     # Dims counted from the front: AOTAutograd's CSE hashes a node's arguments, hash(-1) ==
     # hash(-2) in CPython, and the colliding second reduction was never merged across layers.
     valid_q = keep.any(dim=2)  # [B|1, Sq|1]
     valid_k = keep.any(dim=1)  # [B|1, Sk]
     not_padding = (keep != (valid_q[..., :, None] & valid_k[..., None, :])).any()
-    flags = torch.stack([nan, posinf, bias, per_head, not_padding]).to(torch.int64)
+    flags = torch.stack([nan, posinf, bias, per_head, swamped, not_padding]).to(torch.int64)
     return valid_q.expand(batch_size, seqlen_q), valid_k.expand(batch_size, seqlen_k), flags

@@ -471,7 +471,7 @@ def _checked(problems: Tensor, float_mask: str, mask_dtype: str, mask_shape: lis
     _stats.record_host_sync()
     found = dict(zip(STATIC_PROBLEMS, problems.tolist()))
     refuse_nan_inf(found, mask_dtype, mask_shape)
-    for name in ("bias", "per_head", "not_padding"):
+    for name in ("bias", "per_head", "swamped", "not_padding"):
         if found[name]:
             raise BackendUnavailableError(
                 f"under CUDA graphs (torch.compile mode='reduce-overhead') varlen_attn needs a padding "

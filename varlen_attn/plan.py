@@ -35,6 +35,11 @@ REASONS = {
         "row maximum nor at least 1000 below it (a float 0/1 mask, ALiBi or a learned bias)"
     ),
     "per_head": "attn_mask keeps different keys in different heads",
+    "swamped": (
+        "attn_mask has a row whose kept keys all carry a large negative value (at least 1e5 below "
+        "zero, e.g. finfo.min on a row with no valid key): SDPA adds it to the scores and rounds "
+        "them, which no varlen kernel reproduces"
+    ),
     "structure": (
         "attn_mask is not a padding/segment pattern: two queries attend overlapping but "
         "different key sets (e.g. causal, sliding-window or arbitrary per-query masks)"
@@ -385,7 +390,7 @@ def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) ->
     nflags = len(FLAG_NAMES)
     flags = dict(zip(FLAG_NAMES, host[:nflags]))
     refuse_nan_inf(flags, mask.dtype, mask.shape)
-    for name in ("bias", "per_head", "structure"):
+    for name in ("bias", "per_head", "swamped", "structure"):
         if flags[name]:
             return VarlenPlan(batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=False,
                               reason=REASONS[name], device=device, read_as_bool=read_as_bool)

@@ -106,7 +106,8 @@ _LIKE = frozenset({torch.ones_like, torch.zeros_like, torch.full_like,
 _FACTORIES = frozenset({torch.ones, torch.zeros, torch.full, torch.arange, torch.eye, torch.tensor}) | _LIKE
 # Functions whose output is not determined by their inputs: never keyed.
 _NONDETERMINISTIC = ("rand", "dropout", "bernoulli", "multinomial", "normal", "uniform", "exponential",
-                     "empty", "cauchy", "geometric", "log_normal", "random")
+                     "empty", "cauchy", "geometric", "log_normal", "random", "poisson", "binomial", "gamma",
+                     "dirichlet", "rrelu", "gumbel")
 
 
 class _Unkeyable(Exception):
@@ -270,7 +271,11 @@ class Scope:
             return tuple(self._arg_key(x, like) for x in a)
         if isinstance(a, slice):
             return ("slice", a.start, a.stop, a.step)
-        if a is None or a is Ellipsis or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.Size)):
+        if isinstance(a, (bool, int, float)):
+            # Typed: True == 1 == 1.0 as Python values, but not as arguments (a bool index selects,
+            # an int one gathers; a fill value sets the dtype).
+            return (type(a).__name__, a)
+        if a is None or a is Ellipsis or isinstance(a, (str, torch.dtype, torch.device, torch.Size)):
             return a
         raise _Unkeyable
 
@@ -555,7 +560,8 @@ def resolve_plan(
             key = keys[0] if derivation == "r0" else ("traced", derivation, keys)
         if key is None and not graph and not (scope.escaped and _storage_ptr(mask) in scope.escaped):
             key = scope.key_object(mask)
-    pkey = None if key is None else (key, batch, heads, seqlen_q, seqlen_k, convention, as_bool, str(mask.device))
+    pkey = None if key is None else (key, batch, heads, seqlen_q, seqlen_k, convention, as_bool, mask.dtype,
+                                     str(mask.device))
     found = scope.plans.get(pkey) if pkey is not None else None
     if found is None:
         # Masks a forward derives live for that forward: caching them across calls buys nothing.
