@@ -11,6 +11,7 @@ and what switches a model back to the mode.
 from __future__ import annotations
 
 import copy
+import ctypes
 
 import pytest
 import torch
@@ -814,6 +815,9 @@ def _drop_key(mask, j, how, held):
         storage = mask.untyped_storage()  # bool: one byte per element
         for b in range(mask.shape[0]):
             storage[b * mask.shape[1] + j] = 0
+    elif how == "data_ptr":  # a raw write, as a custom kernel would make (bool: one byte per element)
+        for b in range(mask.shape[0]):
+            ctypes.memset(mask.data_ptr() + b * mask.shape[1] + j, 0, 1)
     else:  # "handle kept": the first layer takes .data, every layer writes through it
         if "data" not in held:
             held["data"] = mask.data
@@ -830,7 +834,7 @@ class _WritesBehindTheCounter(_CastsItsMask):
 
 
 @pytest.mark.parametrize("grad", ["train", "inference_mode"])
-@pytest.mark.parametrize("how", ["data", "data set", "numpy", "storage", "handle kept"])
+@pytest.mark.parametrize("how", ["data", "data set", "numpy", "storage", "data_ptr", "handle kept"])
 def test_a_mask_written_behind_its_version_counter_gets_a_new_plan(how, grad):
     torch.manual_seed(0)
     stock = _CastNet(_SAME["as_is"], layers=3)
@@ -938,6 +942,49 @@ def test_masks_each_layer_derives_differently_get_their_own_plans(how):
             torch.manual_seed(100 + i)
             want = stock(x, keep.clone())[0]
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=f"{how}, forward {i}")
+
+
+@torch.library.custom_op("varlen_attn_tests::keep_first", mutates_args=("out",))
+def _keep_first(src: torch.Tensor, out: torch.Tensor, n: int) -> None:
+    """A mask kernel as a custom op: writes ``out`` (its second argument) with ``src``'s first
+    ``n`` keys."""
+    out.copy_(src)
+    out[..., n:] = False
+
+
+class _WritesABuffer(torch.nn.Module):
+    """Every layer attends with one buffer mask, which layer i rewrites, by a custom op that
+    mutates its second argument or by ``_foreach_copy_``, to keep its first 5 - i keys."""
+
+    def __init__(self, how, layers=3):
+        super().__init__()
+        self.how = how
+        self.projs = torch.nn.ModuleList(torch.nn.Linear(16, 16, dtype=torch.float64) for _ in range(layers))
+
+    def forward(self, x, attention_mask, return_dict=False):
+        m = attention_mask[:, None, None, :]
+        buf = m.clone()
+        for i, proj in enumerate(self.projs):
+            if self.how == "custom op":
+                _keep_first(m, buf, 5 - i)
+            else:
+                torch._foreach_copy_([buf], [m & (torch.arange(5) < 5 - i)])
+            q = proj(x).unflatten(-1, (2, 8)).transpose(1, 2)
+            x = x + F.scaled_dot_product_attention(q, q, q, attn_mask=buf).transpose(1, 2).flatten(2)
+        return (x,)
+
+
+@pytest.mark.parametrize("grad", ["train", "inference_mode"])
+@pytest.mark.parametrize("how", ["custom op", "foreach"])
+def test_a_mask_written_by_an_op_that_writes_another_argument_gets_a_new_plan(how, grad):
+    """Under inference_mode no version counter shows these writes: the hook reads them from the op's
+    schema (a custom op's ``mutates_args``) and from the list an in-place ``_foreach_*_`` takes."""
+    torch.manual_seed(0)
+    stock = _WritesABuffer(how)
+    model = va.enable_varlen(copy.deepcopy(stock))
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    for lengths in ([5, 4, 5], [5, 5, 3], [4, 5, 5]):
+        _assert_as_stock(model, stock, x, torch.arange(5)[None] < torch.tensor(lengths)[:, None], grad, how)
 
 
 class _ReadsItsMaskOut(_CastsItsMask):

@@ -83,14 +83,33 @@ def _tensor_method(func) -> bool:
     return "." not in name and getattr(torch.Tensor, name, None) is func
 
 
+def _schema_writes(schema, args, kwargs) -> tuple:
+    """The tensors an op overload writes, by its schema (``Tensor(a!) out``): any argument, not
+    only the first (a ``torch.library.custom_op`` with ``mutates_args=("out",)``)."""
+    written = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) else kwargs.get(arg.name)
+        values = value if isinstance(value, (list, tuple)) else (value,)
+        written.extend(t for t in values if isinstance(t, torch.Tensor))
+    return tuple(written)
+
+
 def _written(func, args, kwargs) -> tuple:
-    """The tensors ``func(*args, **kwargs)`` writes in place: its first argument where ``func`` is
-    named as an in-place write (``add_``, ``__setitem__``, ``__iand__``) or is called with
-    ``inplace=True`` (``F.relu``), and the ``out=`` tensor or tensors (``torch.logical_and(m, x,
-    out=m)``); else none."""
+    """The tensors ``func(*args, **kwargs)`` writes in place: for an op overload, those its schema
+    marks written; else its first argument (each tensor of it, for a list: ``_foreach_copy_``)
+    where ``func`` is named as an in-place write (``add_``, ``__setitem__``, ``__iand__``) or is
+    called with ``inplace=True`` (``F.relu``), and the ``out=`` tensor or tensors
+    (``torch.logical_and(m, x, out=m)``); else none."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None and getattr(schema, "is_mutable", False):
+        return _schema_writes(schema, args, kwargs)
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if first is not None and _in_place(func):
         return (first,)
+    if first is None and args and isinstance(args[0], (list, tuple)) and _in_place(func):
+        return tuple(t for t in args[0] if isinstance(t, torch.Tensor))
     if not kwargs:  # the common case
         return ()
     if first is not None and kwargs.get("inplace"):

@@ -135,7 +135,8 @@ _CUDA_ARRAY = torch.Tensor.__dict__.get("__cuda_array_interface__")
 # ``.data =`` and ``set_`` put the tensor on another one's storage, whose writes bump the other's
 # version, not this one's. ``Tensor.set_`` itself and ``torch.utils.dlpack.to_dlpack`` do not go
 # through ``__torch_function__`` (only the op overload ``torch.ops.aten.set_`` does): not seen.
-_ESCAPING = frozenset({"numpy", "untyped_storage", "storage", "_typed_storage", "__dlpack__", "__array__", "set_"})
+_ESCAPING = frozenset({"numpy", "untyped_storage", "storage", "_typed_storage", "__dlpack__", "__array__", "set_",
+                       "data_ptr"})  # a raw pointer: a custom kernel or ctypes may write through it
 
 
 def escapes(func) -> bool:
