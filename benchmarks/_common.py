@@ -292,6 +292,20 @@ def kernel_alone(name: str, plan: va.VarlenPlan, scale: float):
 
 # -------------------------------------------------------------------------------- the environment
 
+def pyplot(path: str):
+    """matplotlib's pyplot on the Agg backend, or None (saying the chart ``path`` is skipped)
+    where matplotlib is not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"--png {path}: skipped, matplotlib is not installed")
+        return None
+    return plt
+
+
 def _version(dist: str) -> str | None:
     try:
         return importlib.metadata.version(dist)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import _common as C
+
 
 def ratio(r: dict) -> str:
     text = f"{r['stock_over_variant']:.2f}x"
@@ -38,13 +40,8 @@ VARIANTS = (("nomask", "no mask"), ("varlen:auto", "varlen auto"), ("varlen:torc
 
 def write_png(path: str, runs: list[dict], title: str) -> None:
     """Stock / variant per cell: the median step (bars) and the fastest step (dots)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--png {path}: skipped, matplotlib is not installed")
+    plt = C.pyplot(path)
+    if plt is None:
         return
     labels = [f"{r['config']['model']} {r['config']['px']} {r['config']['compile']} ({r['rounds_run']} rd)" for r in runs]
     fig, ax = plt.subplots(figsize=(9, 0.55 * len(runs) * len(VARIANTS) / 2 + 2))

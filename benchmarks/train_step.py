@@ -423,13 +423,8 @@ def line(name: str, r: dict, varlen: bool) -> str:
 
 
 def write_png(path: str, results: dict, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--png {path}: skipped, matplotlib is not installed")
+    plt = C.pyplot(path)
+    if plt is None:
         return
     names = [n for n, r in results.items() if not r["error"]]
     ms = [results[n]["median_ms"] for n in names]

@@ -42,8 +42,9 @@ from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, in_graph_priority, rows_are_short, select
 from .kernels._base import compiled_graph
 from .pack import gather_rows, scatter_rows
-from .plan import (REASONS, STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool,
-                   refuse_nan_inf, static_layout_of, static_plan_of, static_plan_tensors_of, static_sides)
+from .plan import (STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool,
+                   refuse_nan_inf, static_layout_of, static_plan_of, static_plan_tensors_of, static_sides,
+                   unpackable_reason)
 from .scope import Policy, Scope, current_scope, float_mask_read_as_bool, mask_info, resolve_plan, traced_signature
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
@@ -471,14 +472,14 @@ def _checked(problems: Tensor, float_mask: str, mask_dtype: str, mask_shape: lis
     _stats.record_host_sync()
     found = dict(zip(STATIC_PROBLEMS, problems.tolist()))
     refuse_nan_inf(found, mask_dtype, mask_shape)
-    for name in ("bias", "per_head", "swamped", "not_padding"):
-        if found[name]:
-            raise BackendUnavailableError(
-                f"under CUDA graphs (torch.compile mode='reduce-overhead') varlen_attn needs a padding "
-                f"mask, one segment per batch element; got a mask ({mask_info(mask_dtype, mask_shape)}): "
-                f"{REASONS[name]}. Compile with mode=None or 'max-autotune-no-cudagraphs' (then it runs "
-                f"on masked SDPA with the reason recorded), or disable varlen_attn"
-            )
+    reason = unpackable_reason(found)
+    if reason is not None:
+        raise BackendUnavailableError(
+            f"under CUDA graphs (torch.compile mode='reduce-overhead') varlen_attn needs a padding "
+            f"mask, one segment per batch element; got a mask ({mask_info(mask_dtype, mask_shape)}): "
+            f"{reason}. Compile with mode=None or 'max-autotune-no-cudagraphs' (then it runs "
+            f"on masked SDPA with the reason recorded), or disable varlen_attn"
+        )
     if found["float01"]:
         float_mask_read_as_bool(float_mask, mask_info(mask_dtype, mask_shape))
 

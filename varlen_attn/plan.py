@@ -52,6 +52,12 @@ REASONS = {
 }
 
 
+def unpackable_reason(flags: dict) -> str | None:
+    """The reason of the first flag raised among those that make a mask unpackable (:data:`REASONS`),
+    in the flags' order; None where none is. ``flags``: flag name -> the value read on the host."""
+    return next((REASONS[name] for name, raised in flags.items() if raised and name in REASONS), None)
+
+
 def refuse_nan_inf(flags: dict, dtype, shape) -> None:
     """Raise for a mask whose device flags (read on the host) found NaN or +inf: SDPA would
     return NaN. ``dtype`` and ``shape`` are the mask's, for the message."""
@@ -390,10 +396,10 @@ def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) ->
     nflags = len(FLAG_NAMES)
     flags = dict(zip(FLAG_NAMES, host[:nflags]))
     refuse_nan_inf(flags, mask.dtype, mask.shape)
-    for name in ("bias", "per_head", "swamped", "structure"):
-        if flags[name]:
-            return VarlenPlan(batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=False,
-                              reason=REASONS[name], device=device, read_as_bool=read_as_bool)
+    reason = unpackable_reason(flags)
+    if reason is not None:
+        return VarlenPlan(batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=False,
+                          reason=reason, device=device, read_as_bool=read_as_bool)
     aligned = bool(host[nflags])
     hq, hk = host[nflags + 1:nflags + 1 + nbins], host[nflags + 1 + nbins:]
     segs = [i for i in range(nbins) if hk[i]]

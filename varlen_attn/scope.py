@@ -218,20 +218,25 @@ class Scope:
         entry = self.derived.get(id(t))
         if entry is None or entry[0]() is not t or entry[2] != version(t):
             return None
-        if self.escaped and _storage_ptr(t) in self.escaped:
+        if self.on_escaped(t):
             return None
         return entry[1]
 
     def escape(self, t: torch.Tensor) -> None:
         """``t``'s memory was handed out where writes bump no version counter (:func:`escapes`):
-        ``t`` and every tensor on its storage go unkeyed for the rest of this forward, so an
-        attention call with such a mask gets no plan by key: :func:`resolve_plan` takes the plan
-        cache, which compares the mask with the values its plan was built from."""
+        ``t`` and every tensor on its storage go unkeyed for the rest of this forward
+        (:meth:`key_of` reads :meth:`on_escaped`), so an attention call with such a mask gets no
+        plan by key: :func:`resolve_plan` takes the plan cache, which compares the mask with the
+        values its plan was built from."""
         ptr = _storage_ptr(t)
-        if ptr is not None:
+        if ptr is None:  # no storage to remember (sparse, nested): its own key goes
+            self.forget(t)
+        else:
             self.escaped.add(ptr)
-            self.forget_aliases(t)
-        self.forget(t)
+
+    def on_escaped(self, t: torch.Tensor) -> bool:
+        """``t`` is on a storage whose memory was handed out in this forward (:meth:`escape`)."""
+        return bool(self.escaped) and _storage_ptr(t) in self.escaped
 
     def mark(self, t: torch.Tensor, key) -> None:
         self.derived[id(t)] = (weakref.ref(t), key, version(t))
@@ -559,7 +564,7 @@ def resolve_plan(
         if key is None and derivation:
             keys = tuple(scope.key_of(r) or scope.key_object(r) for r in roots)
             key = keys[0] if derivation == "r0" else ("traced", derivation, keys)
-        if key is None and not graph and not (scope.escaped and _storage_ptr(mask) in scope.escaped):
+        if key is None and not graph and not scope.on_escaped(mask):
             key = scope.key_object(mask)
     pkey = None if key is None else (key, batch, heads, seqlen_q, seqlen_k, convention, as_bool, mask.dtype,
                                      str(mask.device))
