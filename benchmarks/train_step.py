@@ -57,6 +57,7 @@ import logging
 import os
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 
@@ -260,6 +261,7 @@ class Variant:
         self.rounds: list[list[float]] = []  # ms per timed step, one list per round's turn
         self.cpu_ms: list[float] = []  # CPU time of the main thread per step (not the backward's thread)
         self.other_cpu_ms: list[float] = []  # CPU time of the other threads per step (the backward's)
+        self.host: list[dict] = []  # per step: what else the host did (HostEvents.delta)
         self.peak_bytes = 0
         self.stats = {"backends": {}, "fallbacks": {}, "plan_builds": 0, "host_syncs": 0}
         self.timed_steps = 0
@@ -311,6 +313,49 @@ def graph_count() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+class HostEvents:
+    """What the host did besides the step's own work, per step: garbage collections (count per
+    generation and milliseconds, any thread) and the CUDA caching allocator's calls to the driver
+    (``cudaMalloc``/``cudaFree``, retries after a failed allocation, which free the cache and
+    synchronize). To tell apart the causes of a slow step (benchmarks/NOTES.md entry 35)."""
+
+    ALLOCATOR = ("num_device_alloc", "num_device_free", "num_alloc_retries", "num_sync_all_streams")
+
+    def __init__(self, dev: torch.device):
+        self.dev = dev
+        self.gc_ms = 0.0
+        self.gc_counts = [0, 0, 0]
+        self._t0: dict[int, float] = {}
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        tid = threading.get_ident()
+        if phase == "start":
+            self._t0[tid] = time.perf_counter()
+        elif tid in self._t0:
+            self.gc_ms += (time.perf_counter() - self._t0.pop(tid)) * 1e3
+            self.gc_counts[info["generation"]] += 1
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def snapshot(self) -> dict:
+        snap = {"gc_ms": self.gc_ms, "gc_counts": list(self.gc_counts)}
+        if self.dev.type == "cuda":
+            stats = torch.cuda.memory_stats(self.dev)
+            snap.update({k: stats.get(k, 0) for k in self.ALLOCATOR})
+        return snap
+
+    @staticmethod
+    def delta(before: dict, after: dict) -> dict:
+        d = {k: after[k] - before[k] for k in before if k != "gc_counts"}
+        d["gc_counts"] = [a - b for a, b in zip(after["gc_counts"], before["gc_counts"])]
+        return d
+
+
+HOST: HostEvents | None = None
+
+
 def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: bool) -> None:
     """``reps`` timed steps of ``v``: stats, peak memory and new graphs counted for this turn."""
     va.reset_stats()
@@ -325,10 +370,12 @@ def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: b
         # timed step, so that no variant's median depends on where one lands.
         gc.collect()
         C.sync(dev)
+        h0 = HOST.snapshot()
         p0, c0 = time.process_time(), time.thread_time()
         with C.Stopwatch(dev) as sw:
             v.step(batch)
             v.cpu_ms.append((time.thread_time() - c0) * 1e3)  # before the stopwatch's final sync
+        v.host.append(HostEvents.delta(h0, HOST.snapshot()))
         # Every other thread's CPU time over the step, the sync's included on neither side:
         # autograd's device thread (the CUDA backward and checkpoint recomputation) above all.
         v.other_cpu_ms.append(((time.process_time() - p0) - (time.thread_time() - c0)) * 1e3)
@@ -387,11 +434,38 @@ def summary(v: Variant, stock: Variant) -> dict:
         "wall_minus_cpu_ms": statistics.median(w - m - o for w, m, o in zip(v.times, v.cpu_ms, v.other_cpu_ms))
         if v.other_cpu_ms else None,
         "peak_mib": v.peak_bytes / 2**20 if v.peak_bytes else None,
-        "timed_steps": v.timed_steps, "times_ms": v.times,
+        "timed_steps": v.timed_steps, "times_ms": v.times, "host_events": v.host,
+        "slow_steps": slow_steps(v),
         "plan_builds_per_step": v.stats["plan_builds"] / steps, "host_syncs_per_step": v.stats["host_syncs"] / steps,
         "stats": v.stats, "new_graphs_during_timed_steps": v.new_graphs,
         "first_step": {k: x for k, x in v.first.items() if k != "output"}, "error": v.error,
     }
+
+
+def slow_steps(v: Variant, over: float = 1.10) -> dict | None:
+    """The steps slower than ``over`` times the variant's fastest against the rest: how many, and
+    per step on each side the median main-thread and other-thread CPU ms, garbage-collection ms,
+    collections of the oldest generation and the allocator's driver calls."""
+    times = v.times
+    if not times or len(v.host) != len(times):
+        return None
+    fast = min(times)
+    sides = {"slow": [], "rest": []}
+    for i, ms in enumerate(times):
+        sides["slow" if ms > over * fast else "rest"].append(i)
+
+    def med(idx, values):
+        return statistics.median(values[i] for i in idx) if idx else None
+
+    out = {"threshold_ms": over * fast}
+    for side, idx in sides.items():
+        out[side] = {"steps": len(idx), "ms": med(idx, times), "main_cpu_ms": med(idx, v.cpu_ms),
+                     "other_cpu_ms": med(idx, v.other_cpu_ms),
+                     "gc_ms": med(idx, [h["gc_ms"] for h in v.host]),
+                     "gen2_collections": sum(v.host[i]["gc_counts"][2] for i in idx),
+                     "device_allocs": sum(v.host[i].get("num_device_alloc", 0) for i in idx),
+                     "alloc_retries": sum(v.host[i].get("num_alloc_retries", 0) for i in idx)}
+    return out
 
 
 def line(name: str, r: dict, varlen: bool) -> str:
@@ -419,6 +493,13 @@ def line(name: str, r: dict, varlen: bool) -> str:
     if r.get("gpu_busy") and r["gpu_busy"]["busy_share"] is not None:
         g = r["gpu_busy"]
         cpu += f"  GPU busy {g['busy_ms']:7.1f} of {g['wall_ms']:7.1f} ms ({g['busy_share']:4.0%}, profiled step)"
+    slow = r.get("slow_steps")
+    if slow:
+        sl, rest = slow["slow"], slow["rest"]
+        extra += (f"\n  {'':<22} slow steps (>{slow['threshold_ms']:.0f} ms) {sl['steps']}/{sl['steps'] + rest['steps']}:"
+                  f" gc ms {sl['gc_ms'] or 0:.1f} vs {rest['gc_ms'] or 0:.1f}, gen-2 collections {sl['gen2_collections']}"
+                  f"/{rest['gen2_collections']}, cudaMalloc {sl['device_allocs']}/{rest['device_allocs']},"
+                  f" alloc retries {sl['alloc_retries']}/{rest['alloc_retries']}")
     return f"  {name:<22} {r['median_ms']:9.1f} ms/step  {ratio}{cpu}  peak {peak}{extra}"
 
 
@@ -522,6 +603,8 @@ def main():
     live = [v for v in variants if v.error is None]
 
     # Interleaved rounds, time-boxed.
+    global HOST
+    HOST = HostEvents(dev)
     rounds_run = 0
     for _ in range(args.rounds):
         if rounds_run and time.perf_counter() - t_start > args.max_seconds:
@@ -539,6 +622,7 @@ def main():
                     if gpu:
                         torch.cuda.empty_cache()
         rounds_run += 1
+    HOST.close()
     elapsed = time.perf_counter() - t_start
     busy = {}
     if args.gpu_busy and gpu:
