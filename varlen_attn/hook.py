@@ -101,8 +101,10 @@ def _written(func, args, kwargs) -> tuple:
     marks written; else its first argument (each tensor of it, for a list: ``_foreach_copy_``)
     where ``func`` is named as an in-place write (``add_``, ``__setitem__``, ``__iand__``) or is
     called with ``inplace=True`` (``F.relu``), and the ``out=`` tensor or tensors
-    (``torch.logical_and(m, x, out=m)``); else none."""
-    schema = getattr(func, "_schema", None)
+    (``torch.logical_and(m, x, out=m)``); else none. While dynamo traces, an op overload's schema
+    is not read (torch 2.11's dynamo cannot read ``_schema``: a whole model compiled around
+    compiled blocks stopped there), so there a custom op that writes a mask in place goes unseen."""
+    schema = None if torch.compiler.is_compiling() else getattr(func, "_schema", None)
     if schema is not None and getattr(schema, "is_mutable", False):
         return _schema_writes(schema, args, kwargs)
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
