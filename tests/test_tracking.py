@@ -866,6 +866,58 @@ def test_a_mask_written_behind_its_version_counter_gets_a_new_plan(how, grad):
         assert st["plan_builds"] == 3, (how, st)
 
 
+def _drop_key_through_a_view(mask, j, how, like):
+    """Write key position ``j`` of every row of ``mask`` to False through plain views of it: the
+    elements of a call that returns several (``unbind``, ``split``, ``chunk``), or a view shaped
+    after an activation (``view_as``, ``reshape_as``)."""
+    if how == "unbind":
+        for row in mask.unbind(0):
+            row[j] = False
+    elif how in ("split", "chunk"):
+        for part in (mask.split(1, 0) if how == "split" else mask.chunk(mask.shape[0], 0)):
+            part[:, j] = False
+    else:
+        view = mask.view_as(like) if how == "view_as" else mask.reshape_as(like)
+        view[:, j] = False
+
+
+class _WritesThroughAView(_CastsItsMask):
+    """Layer i drops one more key position of the model's mask through a plain view of it, once
+    ``writes`` is set (after the first forward: the forwards after it track masks, learned from
+    one that wrote nothing)."""
+
+    def forward(self, x, mask):
+        if self.writes:
+            _drop_key_through_a_view(mask, 4 - self.index, self.how, x[..., 0])
+        return super().forward(x, mask)
+
+
+@pytest.mark.parametrize("grad", ["train", "inference_mode"])
+@pytest.mark.parametrize("how", ["unbind", "split", "chunk", "view_as", "reshape_as"])
+def test_a_mask_written_through_a_view_gets_a_new_plan(how, grad):
+    """Under inference_mode no version counter shows a write through a view: the view must stay
+    a tracked mask, so that its write is seen and the next layers build their own plan."""
+    torch.manual_seed(0)
+    stock = _CastNet(_SAME["as_is"], layers=3)
+    for i, layer in enumerate(stock.layers):
+        layer.__class__ = _WritesThroughAView
+        layer.index, layer.how, layer.writes = i, how, False
+    model = va.enable_varlen(copy.deepcopy(stock))
+    x = torch.randn(3, 5, 16, dtype=torch.float64)
+    for i in range(3):  # the first forward under the mode, writing nothing; then tracked masks
+        for layer in (*stock.layers, *model.layers):
+            layer.writes = i > 0
+        keep = torch.ones(3, 5, dtype=torch.bool)
+        va.reset_stats()
+        _assert_as_stock(model, stock, x, keep, grad, how)
+        st = va.stats()
+        assert st["fallbacks"] == {}, (how, st)
+        if i == 1:  # the case this test is about: a write the tracking was not learned with
+            assert st["forwards"] == {"tracked": 1}, st
+        else:  # the forward after it follows the masks under the mode again (warned): all packed
+            assert st["backends"] == {"split_sdpa": 3}, (how, st)
+
+
 class _OneMaskNet(torch.nn.Module):
     """Every layer attends with the same 4-D mask tensor; layer 0 puts it on a buffer's storage
     (``.data = buffer``), and layer i drops key position 4 - i through the buffer."""

@@ -175,7 +175,30 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
                     out.dtype == torch.bool or not scopes.is_factory(func)):
                 out = out.as_subclass(TrackedMask)
             _mark(scope, out, key)
-    return out
+    return _inference_views(args, kwargs, out) if tracked else out
+
+
+def _inference_views(args, kwargs, out):
+    """``out`` with each output tensor that shares the storage of a tracked mask argument made a
+    tracked mask too, where they are inference tensors. Such a view left as a plain tensor (an
+    element of what ``unbind``, ``split`` or ``chunk`` return, or ``mask.view_as(activation)``,
+    unkeyed) would be written unseen: no version counter shows the write, and a plain tensor does
+    not enter the hook, so the mask kept its key and later layers its plan. As a tracked mask its
+    write is seen (``_written``) and forgets the mask's key (:meth:`Scope.forget_aliases`)."""
+    single = isinstance(out, torch.Tensor)
+    outs = (out,) if single else out
+    if not single and not (isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out)):
+        return out
+    if all(type(o) is TrackedMask or not o.is_inference() for o in outs):  # the common case
+        return out
+    storages = {scopes.storage_ptr(a) for a in scopes.flat(args, kwargs)
+                if type(a) is TrackedMask and a.is_inference()}
+    storages.discard(None)
+    if not storages:
+        return out
+    views = [o.as_subclass(TrackedMask) if type(o) is not TrackedMask and scopes.storage_ptr(o) in storages else o
+             for o in outs]
+    return views[0] if single else type(out)(views)
 
 
 def _from_masks(args, kwargs, out: torch.Tensor) -> bool:

@@ -148,7 +148,7 @@ def escapes(func) -> bool:
     return getattr(func, "__name__", "").partition(".")[0] in _ESCAPING  # op overloads: set_.source_Tensor
 
 
-def _storage_ptr(t: torch.Tensor) -> int | None:
+def storage_ptr(t: torch.Tensor) -> int | None:
     with torch._C.DisableTorchFunction():  # no hook or tracked mask sees this read
         try:
             return t.untyped_storage().data_ptr()
@@ -228,7 +228,7 @@ class Scope:
         (:meth:`key_of` reads :meth:`on_escaped`), so an attention call with such a mask gets no
         plan by key: :func:`resolve_plan` takes the plan cache, which compares the mask with the
         values its plan was built from."""
-        ptr = _storage_ptr(t)
+        ptr = storage_ptr(t)
         if ptr is None:  # no storage to remember (sparse, nested): its own key goes
             self.forget(t)
         else:
@@ -236,7 +236,7 @@ class Scope:
 
     def on_escaped(self, t: torch.Tensor) -> bool:
         """``t`` is on a storage whose memory was handed out in this forward (:meth:`escape`)."""
-        return bool(self.escaped) and _storage_ptr(t) in self.escaped
+        return bool(self.escaped) and storage_ptr(t) in self.escaped
 
     def mark(self, t: torch.Tensor, key) -> None:
         self.derived[id(t)] = (weakref.ref(t), key, version(t))
@@ -257,12 +257,12 @@ class Scope:
     def forget_aliases(self, t: torch.Tensor) -> None:
         """Drop the keys of every other keyed tensor on ``t``'s storage (its views and bases):
         ``t`` was written in place where no version counter tells them (an inference tensor)."""
-        ptr = _storage_ptr(t)
+        ptr = storage_ptr(t)
         if ptr is None:  # no storage (sparse, nested): no alias to find
             return
         for i, (ref, _, _) in list(self.derived.items()):
             other = ref()
-            if other is not None and other is not t and _storage_ptr(other) == ptr:
+            if other is not None and other is not t and storage_ptr(other) == ptr:
                 del self.derived[i]
 
     def _arg_key(self, a, like: bool):
