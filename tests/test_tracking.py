@@ -868,14 +868,16 @@ def test_a_mask_written_behind_its_version_counter_gets_a_new_plan(how, grad):
 
 def _drop_key_through_a_view(mask, j, how, like):
     """Write key position ``j`` of every row of ``mask`` to False through plain views of it: the
-    elements of a call that returns several (``unbind``, ``split``, ``chunk``), or a view shaped
-    after an activation (``view_as``, ``reshape_as``)."""
+    elements of a call that returns several (``unbind``, ``split``, ``chunk``), a view shaped
+    after an activation (``view_as``, ``reshape_as``), or a transposing property (``T``, ``mT``)."""
     if how == "unbind":
         for row in mask.unbind(0):
             row[j] = False
     elif how in ("split", "chunk"):
         for part in (mask.split(1, 0) if how == "split" else mask.chunk(mask.shape[0], 0)):
             part[:, j] = False
+    elif how in ("T", "mT"):  # property getters, which a tracked mask answers on a fast path
+        getattr(mask, how)[j] = False
     else:
         view = mask.view_as(like) if how == "view_as" else mask.reshape_as(like)
         view[:, j] = False
@@ -893,7 +895,7 @@ class _WritesThroughAView(_CastsItsMask):
 
 
 @pytest.mark.parametrize("grad", ["train", "inference_mode"])
-@pytest.mark.parametrize("how", ["unbind", "split", "chunk", "view_as", "reshape_as"])
+@pytest.mark.parametrize("how", ["unbind", "split", "chunk", "view_as", "reshape_as", "T", "mT"])
 def test_a_mask_written_through_a_view_gets_a_new_plan(how, grad):
     """Under inference_mode no version counter shows a write through a view: the view must stay
     a tracked mask, so that its write is seen and the next layers build their own plan."""

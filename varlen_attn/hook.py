@@ -124,9 +124,11 @@ def _written(func, args, kwargs) -> tuple:
     return ()
 
 
-def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
+def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool, takes_tracked: bool = True):
     """Run ``func`` eagerly and key what it makes from keyed masks (:meth:`Scope.derive`);
-    ``tracked``: a new keyed output becomes a :class:`TrackedMask`."""
+    ``tracked``: a new keyed output becomes a :class:`TrackedMask`, and so does a view of a
+    tracked mask argument under ``inference_mode`` (:func:`_inference_views`; ``takes_tracked``
+    False: no argument is one)."""
     if scopes.escapes(func):  # ``mask.data``, ``mask.numpy()``, ``mask.set_(buf)``: writes bump no version
         tensors = [a for a in scopes.flat(args, kwargs) if isinstance(a, torch.Tensor)]
         for t in tensors:  # the tensor, and a source whose storage it takes (``set_``, ``.data =``)
@@ -175,7 +177,7 @@ def _track(scope: scopes.Scope, func, args, kwargs, tracked: bool):
                     out.dtype == torch.bool or not scopes.is_factory(func)):
                 out = out.as_subclass(TrackedMask)
             _mark(scope, out, key)
-    return _inference_views(args, kwargs, out) if tracked else out
+    return _inference_views(args, kwargs, out) if tracked and takes_tracked else out
 
 
 def _inference_views(args, kwargs, out):
@@ -192,12 +194,13 @@ def _inference_views(args, kwargs, out):
     if all(type(o) is TrackedMask or not o.is_inference() for o in outs):  # the common case
         return out
     storages = {scopes.storage_ptr(a) for a in scopes.flat(args, kwargs)
-                if type(a) is TrackedMask and a.is_inference()}
-    storages.discard(None)
+                if type(a) is TrackedMask and a.is_inference() and a.numel()}
+    storages.discard(None)  # no storage (sparse, nested)
+    storages.discard(0)  # every empty tensor's storage has address 0: no view of a mask by that
     if not storages:
         return out
-    views = [o.as_subclass(TrackedMask) if type(o) is not TrackedMask and scopes.storage_ptr(o) in storages else o
-             for o in outs]
+    views = [o.as_subclass(TrackedMask) if type(o) is not TrackedMask and o.numel()
+             and scopes.storage_ptr(o) in storages else o for o in outs]
     return views[0] if single else type(out)(views)
 
 
@@ -293,7 +296,7 @@ class VarlenHook(TorchFunctionMode):
             # keyed tensor and is no factory just runs.
             if self.masks_only and not scopes.is_factory(func) and not _takes_keyed(self.scope, args, kwargs):
                 return func(*args, **kwargs)
-            return _track(self.scope, func, args, kwargs, True)
+            return _track(self.scope, func, args, kwargs, True, takes_tracked=False)
         with torch._C.DisableTorchFunctionSubclass():  # handled here, once, not by the subclass
             return _track(self.scope, func, args, kwargs, True)
 
@@ -314,7 +317,9 @@ class TrackedMask(torch.Tensor):
             if scope is None or scope.tracking == scopes.MODE or torch.compiler.is_compiling():
                 return func(*args, **kwargs)
             if getattr(func, "__name__", "") == "__get__" and not scopes.escapes(func):  # .shape, .dtype
-                return func(*args, **kwargs)
+                out = func(*args, **kwargs)
+                # ``mask.T``, ``mask.mT``: a view, which under inference_mode must stay tracked.
+                return _inference_views(args, kwargs, out) if isinstance(out, torch.Tensor) else out
             if func is F.scaled_dot_product_attention:
                 adopt_checkpoint(scope)
                 return sdpa_with_policy(*args, **kwargs, policy=scope.policy)
