@@ -6,6 +6,8 @@ dynamo and AOTAutograd (the parts that see our custom op's fake implementation a
 formula); some tests also run inductor, which generates C++ on the CPU.
 """
 
+import copy
+
 import pytest
 import torch
 import torch._dynamo.testing as dynamo_testing
@@ -616,3 +618,63 @@ def test_masks_of_unknown_derivation_in_a_compiled_graph_get_their_own_plans():
         got = compiled(x, mask, lengths)
     assert va.stats()["plan_builds"] == 2, va.stats()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+class _ViewsItsMask(torch.nn.Module):
+    """Attention whose mask is reshaped with sizes read from the activation: under dynamic
+    shapes dynamo traces them as symbols (``mask.view(b, 1, 1, s)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, dtype=torch.float64)
+
+    def forward(self, x, mask):
+        b, s, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, s, 3, 2, 8).unbind(2))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(b, 1, 1, s))
+        return x + out.transpose(1, 2).reshape(x.shape)
+
+
+class _ViewsNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_ViewsItsMask() for _ in range(2))
+
+    def forward(self, x, attention_mask, return_dict=False):
+        for layer in self.layers:
+            x = layer(x, attention_mask)
+        return (x,)
+
+
+@pytest.mark.parametrize("how", ["blocks", "whole"])
+def test_a_sequence_length_that_changes_between_steps_runs_as_stock_does(how):
+    """Compiled, with the sequence length changing between steps (aspect-ratio buckets): dynamo
+    makes the length a symbol (automatic dynamic shapes), and a derivation that reads it cannot be
+    keyed at trace time. Each step equals stock compiled the same way (before: dynamo stopped at
+    formatting the symbol, where stock runs)."""
+    torch.manual_seed(0)
+    stock = _ViewsNet()
+    model = va.enable_varlen(copy.deepcopy(stock))
+
+    def compiled(m):
+        if how == "blocks":
+            for layer in m.layers:
+                layer.compile(fullgraph=True, backend="aot_eager")
+            return m
+        return torch.compile(m, backend="aot_eager", fullgraph=True)
+
+    from _models import step
+
+    def _strip(result):  # torch.compile's wrapper prefixes the parameter names
+        out, grads = result
+        return out, {n.removeprefix("_orig_mod."): g for n, g in grads.items()}
+
+    run, ref = compiled(model), compiled(stock)
+    for s in (8, 10, 12):
+        x = torch.randn(3, s, 16, dtype=torch.float64)
+        keep = torch.arange(s)[None] < torch.tensor([s, s - 3, 2])[:, None]
+        va.reset_stats()
+        got = step(run, {"x": x, "attention_mask": keep.clone()})
+        st = va.stats()
+        assert_model_close(_strip(got), _strip(step(ref, {"x": x, "attention_mask": keep.clone()})), what=f"{how} S={s}")
+        assert st["fallbacks"] == {} and st["backends"] == {"split_sdpa": 2}, (how, s, st)

@@ -29,6 +29,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ._errors import InputTypeError, InputValueError, describe
 from .kernels import SDPA, requested_backend
@@ -442,12 +443,30 @@ def _trace_text(a, roots: list):
     if isinstance(a, _Text):
         return a.text
     if isinstance(a, slice):
-        return "slice(" + repr(a.start) + "," + repr(a.stop) + "," + repr(a.step) + ")"
+        parts = [_trace_text(x, roots) for x in (a.start, a.stop, a.step)]
+        return None if None in parts else "slice(" + ",".join(parts) + ")"
+    if isinstance(a, (int, float)) and not isinstance(a, bool) and not _constant(a):
+        # A size dynamo traces as a symbol (dynamic shapes: ``mask.view(b, 1, 1, s)``; dynamo
+        # shows it as an int): its value changes between calls of the same graph, so no text
+        # baked at trace time stands for it. The derivation is unknown; the plan is then found by
+        # the mask's values.
+        return None
     if a is None or a is Ellipsis or isinstance(a, (bool, int, float, str)):
         return repr(a)
     if isinstance(a, (torch.dtype, torch.device)):
         return str(a)
     return None
+
+
+_PROBE = 720720 * 16  # divisible by 1-16: no small multiple or offset of a size rules it out
+
+
+def _constant(a) -> bool:
+    """``a`` is a number known while tracing, not a symbol of dynamic shapes. Dynamo presents a
+    symbolic size as an int (``isinstance``, ``type``) and cannot format it, but can decide a
+    comparison without a guard: a constant equals ``_PROBE`` or differs from it, statically; a
+    symbol (and an expression in one) might do either."""
+    return statically_known_true(a == _PROBE) or statically_known_true(a != _PROBE)
 
 
 def root_derived(key, factories=frozenset()) -> bool:
