@@ -678,3 +678,56 @@ def test_a_sequence_length_that_changes_between_steps_runs_as_stock_does(how):
         st = va.stats()
         assert_model_close(_strip(got), _strip(step(ref, {"x": x, "attention_mask": keep.clone()})), what=f"{how} S={s}")
         assert st["fallbacks"] == {} and st["backends"] == {"split_sdpa": 2}, (how, s, st)
+
+
+class _WritesItsMaskThroughAView(torch.nn.Module):
+    """Two attention calls, the mask written through a view of it in between."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, dtype=torch.float64)
+
+    def attend(self, x, mask):
+        b, s, _ = x.shape
+        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, s, 3, 2, 8).unbind(2))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+        return out.transpose(1, 2).reshape(x.shape)
+
+    def forward(self, x, mask):
+        a = self.attend(x, mask)
+        mask[:, 1:3].fill_(False)  # a write through a view
+        return x + a + self.attend(x, mask)
+
+
+class _OneBlockNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _WritesItsMaskThroughAView()
+
+    def forward(self, x, attention_mask, return_dict=False):
+        return (self.block(x, attention_mask),)
+
+
+@pytest.mark.parametrize("how", ["blocks", "whole"])
+def test_a_mask_written_through_a_view_in_compiled_code_gets_a_new_plan(how, tmp_path, monkeypatch):
+    """Inductor writes the mask's buffer in place with no version bump a key would see: the
+    second call's derivation of the mask (the same text as the first's) must not share the first
+    call's plan (before: 0.4-0.8 off, silently; aot_eager was right)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    stock = _OneBlockNet()
+    model = va.enable_varlen(copy.deepcopy(stock))
+    if how == "blocks":
+        model.block.compile(fullgraph=True, backend="inductor")
+        run = model
+    else:
+        run = torch.compile(model, backend="inductor", fullgraph=True)
+    with torch.no_grad():
+        for _ in range(2):
+            keep = torch.rand(3, 8) < 0.7
+            keep[:, 0] = True
+            x = torch.randn(3, 8, 16, dtype=torch.float64)
+            va.reset_stats()
+            got = run(x, attention_mask=keep.clone())[0]
+            torch.testing.assert_close(got, stock(x, attention_mask=keep.clone())[0], rtol=1e-10, atol=1e-10)
+            assert va.stats()["fallbacks"] == {}, va.stats()

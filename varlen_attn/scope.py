@@ -394,9 +394,21 @@ def trace_root(t: torch.Tensor) -> None:
 
 
 def trace_forget(t) -> None:
-    """While tracing: ``t`` was written in place; derive nothing from it any more."""
-    if isinstance(t, torch.Tensor):
-        setattr(t, TRACED, None)
+    """While tracing: ``t`` was written in place; derive nothing from it any more, nor from any
+    tensor it was made from: it may be a view of them (a write through ``mask[:, 1:3]`` writes
+    ``mask``), and in the compiled graph the root's buffer is written in place with no version
+    bump that a key would see (inductor), so a later layer's same derivation of the root must not
+    share the earlier plan. Forgetting a tensor that was not a view costs a plan by value only."""
+    stack = [t]
+    while stack:
+        x = stack.pop()
+        if not isinstance(x, torch.Tensor):
+            continue
+        rec = getattr(x, TRACED, None)
+        setattr(x, TRACED, None)
+        if rec is not None:
+            _, _, args, kwargs = rec
+            stack.extend(flat(args, kwargs or {}))
 
 
 def traced_signature(mask) -> tuple[list, str]:
