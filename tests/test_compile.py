@@ -620,6 +620,13 @@ def test_masks_of_unknown_derivation_in_a_compiled_graph_get_their_own_plans():
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
+def _attend(qkv, x, mask4):
+    """Masked SDPA over ``qkv(x)`` (two heads of 8) with ``mask4``: ``[B, S, 16]`` out."""
+    b, s, _ = x.shape
+    q, k, v = (t.transpose(1, 2) for t in qkv(x).view(b, s, 3, 2, 8).unbind(2))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask4).transpose(1, 2).reshape(x.shape)
+
+
 class _ViewsItsMask(torch.nn.Module):
     """Attention whose mask is reshaped with sizes read from the activation: under dynamic
     shapes dynamo traces them as symbols (``mask.view(b, 1, 1, s)``)."""
@@ -630,9 +637,7 @@ class _ViewsItsMask(torch.nn.Module):
 
     def forward(self, x, mask):
         b, s, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, s, 3, 2, 8).unbind(2))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.view(b, 1, 1, s))
-        return x + out.transpose(1, 2).reshape(x.shape)
+        return x + _attend(self.qkv, x, mask.view(b, 1, 1, s))
 
 
 class _ViewsNet(torch.nn.Module):
@@ -687,16 +692,10 @@ class _WritesItsMaskThroughAView(torch.nn.Module):
         super().__init__()
         self.qkv = torch.nn.Linear(16, 48, dtype=torch.float64)
 
-    def attend(self, x, mask):
-        b, s, _ = x.shape
-        q, k, v = (t.transpose(1, 2) for t in self.qkv(x).view(b, s, 3, 2, 8).unbind(2))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
-        return out.transpose(1, 2).reshape(x.shape)
-
     def forward(self, x, mask):
-        a = self.attend(x, mask)
+        a = _attend(self.qkv, x, mask[:, None, None, :])
         mask[:, 1:3].fill_(False)  # a write through a view
-        return x + a + self.attend(x, mask)
+        return x + a + _attend(self.qkv, x, mask[:, None, None, :])
 
 
 class _OneBlockNet(torch.nn.Module):
