@@ -353,11 +353,9 @@ class HostEvents:
         return d
 
 
-HOST: HostEvents | None = None
-
-
-def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: bool) -> None:
-    """``reps`` timed steps of ``v``: stats, peak memory and new graphs counted for this turn."""
+def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: bool, host: HostEvents) -> None:
+    """``reps`` timed steps of ``v``: stats, peak memory and new graphs counted for this turn, and
+    what else the host did in each step (``host``)."""
     va.reset_stats()
     if dev.type == "cuda":
         torch.cuda.synchronize()
@@ -370,12 +368,12 @@ def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: b
         # timed step, so that no variant's median depends on where one lands.
         gc.collect()
         C.sync(dev)
-        h0 = HOST.snapshot()
+        h0 = host.snapshot()
         p0, c0 = time.process_time(), time.thread_time()
         with C.Stopwatch(dev) as sw:
             v.step(batch)
             v.cpu_ms.append((time.thread_time() - c0) * 1e3)  # before the stopwatch's final sync
-        v.host.append(HostEvents.delta(h0, HOST.snapshot()))
+        v.host.append(HostEvents.delta(h0, host.snapshot()))
         # Every other thread's CPU time over the step, the sync's included on neither side:
         # autograd's device thread (the CUDA backward and checkpoint recomputation) above all.
         v.other_cpu_ms.append(((time.process_time() - p0) - (time.thread_time() - c0)) * 1e3)
@@ -603,8 +601,7 @@ def main():
     live = [v for v in variants if v.error is None]
 
     # Interleaved rounds, time-boxed.
-    global HOST
-    HOST = HostEvents(dev)
+    host = HostEvents(dev)
     rounds_run = 0
     for _ in range(args.rounds):
         if rounds_run and time.perf_counter() - t_start > args.max_seconds:
@@ -613,7 +610,7 @@ def main():
         for v in (live if rounds_run % 2 == 0 else live[::-1]):
             if v.error is None:
                 try:
-                    run_turn(v, batch, dev, args.reps, compiled)
+                    run_turn(v, batch, dev, args.reps, compiled, host)
                 except Exception as e:
                     if not is_oom(e):
                         raise
@@ -622,7 +619,7 @@ def main():
                     if gpu:
                         torch.cuda.empty_cache()
         rounds_run += 1
-    HOST.close()
+    host.close()
     elapsed = time.perf_counter() - t_start
     busy = {}
     if args.gpu_busy and gpu:

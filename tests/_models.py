@@ -46,6 +46,12 @@ def step(model, inputs: dict):
     return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def own_names(result):
+    """A :func:`step` result with the names of a compiled model's parameters as the model's own
+    (torch.compile's wrapper prefixes them with ``_orig_mod.``)."""
+    return result[0], {n.replace("_orig_mod.", ""): g for n, g in result[1].items()}
+
+
 # ------------------------------------------------------------------------------------------------
 # Chroma: joint [text; image] sequence, outer-product mask re-derived in every block.
 

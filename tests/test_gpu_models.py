@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import varlen_attn as va
-from _models import CHROMA_ATTN_LAYERS, chroma_inputs, loss, step, tiny_chroma
+from _models import CHROMA_ATTN_LAYERS, chroma_inputs, loss, own_names, step, tiny_chroma
 from _testing import (IN_GRAPH_OP, BlocksInARow, Recording, assert_model_close, checkpoint_blocks,
                       synchronising_calls)
 
@@ -67,11 +67,6 @@ def test_chroma_compiled_blocks_with_a_new_mask_each_step(backend, checkpointing
         torch.compiler.reset()
 
 
-def _strip(result):
-    """A step's result with the names of a compiled model's parameters as the model's own."""
-    return result[0], {n.replace("_orig_mod.", ""): g for n, g in result[1].items()}
-
-
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_chroma_whole_model_compiled_plans_once_per_step(checkpointing):
     """The whole enabled model compiled (inductor, fullgraph), gradient checkpointing on or off, a
@@ -117,11 +112,11 @@ def _compiled_steps_plan_once(run, stock, lengths_per_step, calls):
             ref = step(tiny_chroma(), chroma_inputs(lengths, seed=i))  # float64, CPU
             inputs = chroma_inputs(lengths, seed=i, dtype=torch.bfloat16, device="cuda")
             va.reset_stats()
-            ours = _strip(step(run, inputs))
+            ours = own_names(step(run, inputs))
             st = va.stats()
             assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and st["fallbacks"] == {}, (lengths, st)
             assert sum(st["backends"].values()) == calls and "sdpa" not in st["backends"], (lengths, st)
-            assert_model_close(ours, ref, baseline=_strip(step(stock, inputs)), what=f"{lengths}")
+            assert_model_close(ours, ref, baseline=own_names(step(stock, inputs)), what=f"{lengths}")
     finally:
         torch.compiler.reset()
 

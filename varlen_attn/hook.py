@@ -96,17 +96,18 @@ def _schema_writes(schema, args, kwargs) -> tuple:
     return tuple(written)
 
 
-def _written(func, args, kwargs) -> tuple:
+def _written(func, args, kwargs, schema: bool = True) -> tuple:
     """The tensors ``func(*args, **kwargs)`` writes in place: for an op overload, those its schema
     marks written; else its first argument (each tensor of it, for a list: ``_foreach_copy_``)
     where ``func`` is named as an in-place write (``add_``, ``__setitem__``, ``__iand__``) or is
     called with ``inplace=True`` (``F.relu``), and the ``out=`` tensor or tensors
-    (``torch.logical_and(m, x, out=m)``); else none. While dynamo traces, an op overload's schema
-    is not read (torch 2.11's dynamo cannot read ``_schema``: a whole model compiled around
-    compiled blocks stopped there), so there a custom op that writes a mask in place goes unseen."""
-    schema = None if torch.compiler.is_compiling() else getattr(func, "_schema", None)
-    if schema is not None and getattr(schema, "is_mutable", False):
-        return _schema_writes(schema, args, kwargs)
+    (``torch.logical_and(m, x, out=m)``); else none. ``schema`` False (the hook's traced branch):
+    the op overload's schema is not read, as torch 2.11's dynamo cannot read ``_schema`` (a whole
+    model compiled around compiled blocks stopped there), so there a custom op that writes a mask
+    in place goes unseen."""
+    op_schema = getattr(func, "_schema", None) if schema else None
+    if op_schema is not None and getattr(op_schema, "is_mutable", False):
+        return _schema_writes(op_schema, args, kwargs)
     first = args[0] if args and isinstance(args[0], torch.Tensor) else None
     if first is not None and _in_place(func):
         return (first,)
@@ -188,19 +189,17 @@ def _inference_views(args, kwargs, out):
     not enter the hook, so the mask kept its key and later layers its plan. As a tracked mask its
     write is seen (``_written``) and forgets the mask's key (:meth:`Scope.forget_aliases`)."""
     single = isinstance(out, torch.Tensor)
-    outs = (out,) if single else out
-    if not single and not (isinstance(out, (tuple, list)) and out and all(isinstance(o, torch.Tensor) for o in out)):
-        return out
-    if all(type(o) is TrackedMask or not o.is_inference() for o in outs):  # the common case
-        return out
+    outs = (out,) if single else out if isinstance(out, (tuple, list)) else ()
+    if all(not isinstance(o, torch.Tensor) or type(o) is TrackedMask or not o.is_inference() for o in outs):
+        return out  # the common case: no plain inference tensor among the outputs
+    # Non-empty only: every empty tensor's storage has address 0, no view of a mask by that.
     storages = {scopes.storage_ptr(a) for a in scopes.flat(args, kwargs)
                 if type(a) is TrackedMask and a.is_inference() and a.numel()}
     storages.discard(None)  # no storage (sparse, nested)
-    storages.discard(0)  # every empty tensor's storage has address 0: no view of a mask by that
     if not storages:
         return out
-    views = [o.as_subclass(TrackedMask) if type(o) is not TrackedMask and o.numel()
-             and scopes.storage_ptr(o) in storages else o for o in outs]
+    views = [o.as_subclass(TrackedMask) if isinstance(o, torch.Tensor) and type(o) is not TrackedMask
+             and o.numel() and scopes.storage_ptr(o) in storages else o for o in outs]
     return views[0] if single else type(out)(views)
 
 
@@ -282,7 +281,7 @@ class VarlenHook(TorchFunctionMode):
                 out = getattr(args[0], func.__name__)(*args[1:], **kwargs)
             else:
                 out = func(*args, **kwargs)
-            written = _written(func, args, kwargs)
+            written = _written(func, args, kwargs, schema=False)
             for t in written:
                 scopes.trace_forget(t)
             if not written:
