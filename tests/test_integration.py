@@ -136,6 +136,29 @@ def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, 
         assert sum(st["backends"].values()) == calls, (lengths, st)
 
 
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_whole_model_compiled_with_blocks_checkpointed_by_the_caller_runs_varlen(strict):
+    """The whole model compiled around blocks the caller checkpoints with torch.utils.checkpoint
+    (not diffusers' checkpoint function): dynamo traces the checkpointed body without the modes
+    active around it, so before, attention there ran stock SDPA unseen (nothing counted, and
+    ``strict`` held nothing). Every attention call of the forward and of its recomputation goes
+    to varlen_attn now, equal to stock. Chroma derives its mask in the block, outside the
+    attention module, where the body runs without the hook: each call finds the forward's plan
+    with a host read (docs/troubleshooting.md)."""
+    stock = checkpoint_blocks(tiny_chroma())
+    model = va.enable_varlen(checkpoint_blocks(tiny_chroma()), strict=strict)
+    run = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+        va.reset_stats()
+        got = step(run, chroma_inputs(lengths, seed=i))
+        st = va.stats()
+        got = (got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()})
+        assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
+        assert st["backends"] == {"split_sdpa": 2 * CHROMA_ATTN_LAYERS} and not st["fallbacks"], (lengths, st)
+        assert st["plan_builds"] == 1, (lengths, st)
+
+
 def test_a_checkpoint_around_an_enabled_forward_and_more_is_left_as_it_is():
     """A checkpoint the caller puts around an enabled model's whole forward *and* masked
     attention outside the model: its recomputation runs the forward again in a scope of its
