@@ -726,3 +726,52 @@ def test_a_mask_written_through_a_view_in_compiled_code_gets_a_new_plan(how, tmp
             got = run(x, attention_mask=keep.clone())[0]
             torch.testing.assert_close(got, stock(x, attention_mask=keep.clone())[0], rtol=1e-10, atol=1e-10)
             assert va.stats()["fallbacks"] == {}, va.stats()
+
+
+class _SlicesItsMask(torch.nn.Module):
+    """Attention over the keys ``mask[:, off:off + S]``, ``off`` an argument of every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48, dtype=torch.float64)
+
+    def forward(self, x, mask, off):
+        return x + _attend(self.qkv, x, mask[:, off:off + x.shape[1]][:, None, None, :])
+
+
+class _SliceNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = _SlicesItsMask()
+
+    def forward(self, x, attention_mask, off=0, return_dict=False):
+        return (self.block(x, attention_mask, off),)
+
+
+@pytest.mark.parametrize("how", ["blocks", "whole"])
+def test_a_mask_sliced_at_an_offset_that_changes_runs_as_stock_does(how):
+    """A compiled block slicing the mask at an offset that changes between calls: dynamo makes
+    the offset a symbol bounded by the mask's length. The derivation's text took that bounded
+    symbol for a constant and stopped dynamo formatting it ("repr_impl not implemented"); now
+    the derivation is unknown there, and each call plans by the mask's values, equal to stock."""
+    torch.manual_seed(0)
+    stock = _SliceNet()
+    model = va.enable_varlen(copy.deepcopy(stock))
+    if how == "blocks":
+        model.block.compile(fullgraph=True, backend="aot_eager")
+        run = model
+    else:
+        run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for off in range(4):
+        keep = torch.rand(3, 12) < 0.7
+        keep[:, :5] = True
+        x = torch.randn(3, 8, 16, dtype=torch.float64, requires_grad=True)
+        va.reset_stats()
+        got = run(x, keep.clone(), off)[0]
+        (gx,) = torch.autograd.grad(got.pow(2).sum(), x)
+        x2 = x.detach().requires_grad_()
+        want = stock(x2, keep.clone(), off)[0]
+        (wx,) = torch.autograd.grad(want.pow(2).sum(), x2)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(gx, wx, rtol=1e-10, atol=1e-10)
+        assert va.stats()["backends"] == {"split_sdpa": 1} and not va.stats()["fallbacks"], (off, va.stats())

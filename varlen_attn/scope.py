@@ -470,15 +470,23 @@ def _trace_text(a, roots: list):
     return None
 
 
-_PROBE = 720720 * 16  # divisible by 1-16: no small multiple or offset of a size rules it out
-
-
 def _constant(a) -> bool:
     """``a`` is a number known while tracing, not a symbol of dynamic shapes. Dynamo presents a
     symbolic size as an int (``isinstance``, ``type``) and cannot format it, but can decide a
-    comparison without a guard: a constant equals ``_PROBE`` or differs from it, statically; a
-    symbol (and an expression in one) might do either."""
-    return statically_known_true(a == _PROBE) or statically_known_true(a != _PROBE)
+    comparison without a guard. A constant has every bit known statically; a symbol (or an
+    expression in one, ``s + 8``, ``2 * s``) has some low bit that might be 0 or 1, whatever
+    range its guards left it (an interval of two values or more holds both parities). An equality
+    probe was not enough: a symbol whose guards bound it (``s <= 4``, from slicing a mask of 12
+    with ``mask[:, s:s + 8]``) is statically unequal to any large probe, so it passed for a
+    constant and formatting it stopped dynamo ("repr_impl not implemented"). Floats count as
+    constants (dynamo specializes them by default; ``-inf`` has no bits to probe)."""
+    if isinstance(a, float):
+        return True
+    for i in range(12):
+        bit = (a // (1 << i)) % 2
+        if not (statically_known_true(bit == 0) or statically_known_true(bit == 1)):
+            return False
+    return True
 
 
 def root_derived(key, factories=frozenset()) -> bool:
