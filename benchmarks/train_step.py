@@ -65,6 +65,7 @@ import _common as C
 import timeline
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 import varlen_attn as va
 
@@ -101,8 +102,11 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--double", type=int, default=None, help="Chroma double blocks (default: 19; CPU 2)")
     ap.add_argument("--single", type=int, default=None, help="Chroma single blocks (default: 38; CPU 2)")
     ap.add_argument("--layers", type=int, default=None, help="Qwen-Image layers (default: 60; CPU 2)")
-    ap.add_argument("--checkpointing", choices=("on", "off"), default="on")
-    ap.add_argument("--compile", choices=("none", "blocks"), default="none")
+    ap.add_argument("--checkpointing", choices=("on", "off", "caller"), default="on",
+                    help="on: diffusers' own; caller: every block's forward wrapped in torch.utils.checkpoint "
+                         "(non-reentrant) by the caller, as OneTrainer does")
+    ap.add_argument("--compile", choices=("none", "blocks", "whole"), default="none",
+                    help="blocks: block.compile(fullgraph=True) of every block; whole: torch.compile(model, fullgraph=True)")
     ap.add_argument("--compile-mode", default=None, choices=(None, "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
                     help="torch.compile mode of the blocks (reduce-overhead: CUDA graphs)")
     ap.add_argument("--compile-backend", default=None,
@@ -199,6 +203,19 @@ def add_lora(model: torch.nn.Module, rank: int) -> int:
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
     return sum(1 for n, _ in model.named_modules() if n.endswith(".lora_A"))
+
+
+class CallerCheckpoint:
+    """A block's forward checkpointed by the caller with ``torch.utils.checkpoint`` itself
+    (non-reentrant), not through diffusers' ``enable_gradient_checkpointing()``: OneTrainer's way."""
+
+    def __init__(self, forward):
+        self.forward = forward
+
+    def __call__(self, *args, **kwargs):
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        return torch.utils.checkpoint.checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
 
 
 def sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -535,7 +552,7 @@ def main():
     if gpu:  # cuDNN SDPA failed inside these models on torch 2.11 (docs/versions.md); off for every variant
         torch.backends.cuda.enable_cudnn_sdp(False)
     warnings.filterwarnings("ignore", message=".*FluxPosEmbed.* is deprecated", category=FutureWarning)
-    compiled = args.compile == "blocks"
+    compiled = args.compile != "none"
     warmup = args.warmup if args.warmup is not None else (3 if compiled else 2)
     compile_backend = args.compile_backend or ("inductor" if gpu else "aot_eager")
     backends = args.backends.split(",") if args.backends else ["auto", *C.varlen_backends(dev)]
@@ -569,11 +586,16 @@ def main():
     variants = []
     for name in ["stock", "nomask", *(f"varlen:{b}" for b in backends)]:
         model = sharing_copy(base)
+        if args.checkpointing == "caller":  # per copy: a deep copy would keep the original's bound forward
+            for block in blocks_of(model):
+                block.forward = CallerCheckpoint(block.forward)
         if name.startswith("varlen:"):
             enable(model, name.split(":", 1)[1])
-        if compiled:
+        if args.compile == "blocks":
             for block in blocks_of(model):
                 block.compile(fullgraph=True, backend=compile_backend, mode=args.compile_mode)
+        elif args.compile == "whole":
+            model = torch.compile(model, fullgraph=True, backend=compile_backend, mode=args.compile_mode)
         variants.append(Variant(name, model, masked=name != "nomask", lr=args.lr))
     del base
     if gpu:
