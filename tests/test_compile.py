@@ -703,6 +703,16 @@ class _OneBlockNet(torch.nn.Module):
         return (self.block(x, attention_mask),)
 
 
+def _enabled_and_compiled(stock, how, backend):
+    """``(enabled copy of stock, what to call)``: its ``block`` compiled (``how="blocks"``) or the
+    whole model (``"whole"``), fullgraph, by ``backend``."""
+    model = va.enable_varlen(copy.deepcopy(stock))
+    if how == "blocks":
+        model.block.compile(fullgraph=True, backend=backend)
+        return model, model
+    return model, torch.compile(model, backend=backend, fullgraph=True)
+
+
 @pytest.mark.parametrize("how", ["blocks", "whole"])
 def test_a_mask_written_through_a_view_in_compiled_code_gets_a_new_plan(how, tmp_path, monkeypatch):
     """Inductor writes the mask's buffer in place with no version bump a key would see: the
@@ -711,12 +721,7 @@ def test_a_mask_written_through_a_view_in_compiled_code_gets_a_new_plan(how, tmp
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     stock = _OneBlockNet()
-    model = va.enable_varlen(copy.deepcopy(stock))
-    if how == "blocks":
-        model.block.compile(fullgraph=True, backend="inductor")
-        run = model
-    else:
-        run = torch.compile(model, backend="inductor", fullgraph=True)
+    _, run = _enabled_and_compiled(stock, how, "inductor")
     with torch.no_grad():
         for _ in range(2):
             keep = torch.rand(3, 8) < 0.7
@@ -756,12 +761,7 @@ def test_a_mask_sliced_at_an_offset_that_changes_runs_as_stock_does(how):
     the derivation is unknown there, and each call plans by the mask's values, equal to stock."""
     torch.manual_seed(0)
     stock = _SliceNet()
-    model = va.enable_varlen(copy.deepcopy(stock))
-    if how == "blocks":
-        model.block.compile(fullgraph=True, backend="aot_eager")
-        run = model
-    else:
-        run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _, run = _enabled_and_compiled(stock, how, "aot_eager")
     for off in range(4):
         keep = torch.rand(3, 12) < 0.7
         keep[:, :5] = True
