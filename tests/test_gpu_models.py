@@ -128,8 +128,7 @@ def test_chroma_blocks_checkpointed_by_the_caller(compiled):
     (varlen_attn.hook.adopt_checkpoint), so each step equals the float64 reference within 2x
     stock's bf16 error (stock checkpointed the same way), with one plan and one host sync.
     ``whole``: the whole model compiled by inductor around the checkpoints, every attention call
-    routed (it ran stock SDPA unseen before); the mask Chroma derives in each block is found by
-    a host read per call there (docs/troubleshooting.md)."""
+    routed (it ran stock SDPA unseen before), one plan and one host sync per step too."""
     torch.backends.cuda.enable_cudnn_sdp(False)
     whole = compiled == "whole"
     compiled = None if whole else compiled
@@ -140,7 +139,6 @@ def test_chroma_blocks_checkpointed_by_the_caller(compiled):
     if whole:
         stock = torch.compile(stock, fullgraph=True)
         model = torch.compile(model, fullgraph=True)
-    syncs = 2 * CHROMA_ATTN_LAYERS if whole else 1
     # float64 on the CPU, its blocks wrapped the same way (the same parameter names)
     reference = checkpoint_blocks(tiny_chroma(), False, None if compiled is None else False)
     try:
@@ -150,7 +148,7 @@ def test_chroma_blocks_checkpointed_by_the_caller(compiled):
             va.reset_stats()
             ours = own_names(step(model, inputs))
             st = va.stats()
-            assert st["plan_builds"] == 1 and st["host_syncs"] == syncs and st["fallbacks"] == {}, (lengths, st)
+            assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and st["fallbacks"] == {}, (lengths, st)
             assert sum(st["backends"].values()) == 2 * CHROMA_ATTN_LAYERS and "sdpa" not in st["backends"], (lengths, st)
             assert_model_close(ours, ref, baseline=own_names(step(stock, inputs)), what=f"{lengths}")
     finally:

@@ -29,6 +29,11 @@ from torch.overrides import TorchFunctionMode
 from . import scope as scopes
 from .functional import sdpa_with_policy
 
+try:  # the higher-order op dynamo turns a torch.utils.checkpoint call into (torch >= 2.1)
+    from torch._higher_order_ops.wrap import tag_activation_checkpoint as _CHECKPOINT_OP
+except ImportError:  # pragma: no cover - an older torch, refused under compile anyway
+    _CHECKPOINT_OP = None
+
 
 def _writes_first_argument(func) -> bool:
     if getattr(getattr(func, "_schema", None), "is_mutable", False):
@@ -277,6 +282,12 @@ class VarlenHook(TorchFunctionMode):
             with torch._C.DisableTorchFunctionSubclass():  # a tracked mask is plain in here
                 return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy, forward=self.scope.forward)
         if torch.compiler.is_compiling():
+            if func is _CHECKPOINT_OP and _CHECKPOINT_OP is not None:
+                # A torch.utils.checkpoint call in traced code: dynamo has traced its body
+                # without the modes around it (attention there would run stock SDPA, and the
+                # masks the body derives would be unknown) and hands the mode the op with the
+                # body's graph. Its body is traced again here, under this hook.
+                return func(_HookedBody(args[0], self.scope), *args[1:], **kwargs)
             if args and isinstance(args[0], torch.Tensor) and _tensor_method(func):
                 out = getattr(args[0], func.__name__)(*args[1:], **kwargs)
             else:
@@ -298,6 +309,18 @@ class VarlenHook(TorchFunctionMode):
             return _track(self.scope, func, args, kwargs, True, takes_tracked=False)
         with torch._C.DisableTorchFunctionSubclass():  # handled here, once, not by the subclass
             return _track(self.scope, func, args, kwargs, True)
+
+
+class _HookedBody:
+    """The body of a checkpoint traced by dynamo (:meth:`VarlenHook.__torch_function__`), called
+    under a hook of ``scope``."""
+
+    def __init__(self, body, scope: scopes.Scope):
+        self.body, self.scope = body, scope
+
+    def __call__(self, *args, **kwargs):
+        with VarlenHook(self.scope):
+            return self.body(*args, **kwargs)
 
 
 class TrackedMask(torch.Tensor):

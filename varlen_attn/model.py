@@ -45,8 +45,6 @@ class _State:
     # While dynamo traces a whole model compiled: its forward's handle (op.forward_scope). A
     # class default: states pickled before it existed read None.
     traced_forward = None
-    # True while dynamo traces a whole model compiled (class default: as traced_forward).
-    tracing_whole = False
 
     def __init__(self, backend, strict, float_mask, restore_checkpoint_mask, in_graph=True):
         self.backend = backend
@@ -156,25 +154,9 @@ class _AttentionForward(_InstanceForward):
     (:func:`_leave_entry`). Traced by dynamo, or after :func:`disable_varlen`, it only passes
     calls on."""
 
-    # The enabled model's state (None in wrappers pickled before it was kept here).
-    state = None
-
-    def __init__(self, module: torch.nn.Module, inner, state: _State | None = None):
-        super().__init__(module, inner)
-        self.state = state
-
     def __call__(self, *args, **kwargs):
         target = self._target()
-        if torch.compiler.is_compiling():
-            state = self.state
-            if self.active and state is not None and state.tracing_whole:
-                # The whole model traced: the hook entered here too, since dynamo traces the body
-                # of a torch.utils.checkpoint call the model's own code makes without the modes
-                # active around it (attention there would run stock SDPA, uncounted).
-                with VarlenHook(_traced_scope(state)):
-                    return target(*args, **kwargs)
-            return target(*args, **kwargs)
-        scope = current_scope() if self.active else None
+        scope = current_scope() if self.active and not torch.compiler.is_compiling() else None
         if scope is None:
             return target(*args, **kwargs)
         call = AttentionCall(self.module)
@@ -376,7 +358,7 @@ def enable_varlen(
         if getattr(proc, "_attention_backend", None) is not None:
             state.saved_backends.append((proc, proc._attention_backend))
             proc._attention_backend = None
-        wrapper = _AttentionForward(module, module.__dict__.get("forward"), state)
+        wrapper = _AttentionForward(module, module.__dict__.get("forward"))
         module.forward = wrapper
         state.attention.append(wrapper)
     state.checkpointed = _checkpointing_modules(model)
@@ -700,12 +682,12 @@ def _traced_forward(model, state: _State, orig_forward, args, kwargs):
     # Every hook entered while this forward is traced takes its handle (_traced_scope): this one,
     # the checkpointed blocks' and that of compiled blocks inlined here (their _BlockForward
     # installed by an eager forward). Set while tracing only, as the checkpoint functions.
-    state.traced_forward, state.tracing_whole = forward, True
+    state.traced_forward = forward
     try:
         with VarlenHook(_traced_scope(state)):
             return orig_forward(*args, **kwargs)
     finally:
-        state.traced_forward, state.tracing_whole = None, False
+        state.traced_forward = None
         for module, func in swapped:
             module._gradient_checkpointing_func = func
 
