@@ -800,15 +800,17 @@ class _CallerCheckpointed(torch.nn.Module):
     """Blocks called in a row; with ``caller``, each block's forward in torch.utils.checkpoint
     (non-reentrant) by this model's own code, as OneTrainer wraps its blocks."""
 
-    def __init__(self, caller, inner):
+    def __init__(self, caller, inner, **checkpoint_options):
         super().__init__()
         self.blocks = torch.nn.ModuleList(_AttendsOverItsMask(inner) for _ in range(2))
         self.caller = caller
+        self.options = checkpoint_options
 
     def forward(self, x, attention_mask, return_dict=False):
         for block in self.blocks:
             if self.caller:
-                x = torch.utils.checkpoint.checkpoint(block.forward, x, attention_mask, use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block.forward, x, attention_mask, use_reentrant=False,
+                                                      **self.options)
             else:
                 x = block(x, attention_mask)
         return (x,)
@@ -846,3 +848,34 @@ def test_checkpoints_in_traced_code_run_attention_in_varlen_attn(how):
         # forward's scope: each block plans again there (docs/troubleshooting.md).
         plans = 1 if whole else 1 + len(model.blocks)
         assert st["plan_builds"] == plans and st["host_syncs"] == plans, (how, st)
+
+
+def test_a_selective_checkpoint_policy_in_traced_code_is_kept():
+    """Selective activation checkpointing (a ``context_fn`` policy) on the caller's checkpoints of
+    a whole model compiled: the hook calls the checkpoint op again with the function under
+    itself, and the policy goes with it: it is consulted while AOTAutograd traces, as stock's."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    from _models import own_names, step
+
+    asked = []
+
+    def policy(ctx, op, *args, **kwargs):
+        asked.append(op)
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    options = {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+    stock = _CallerCheckpointed(caller=True, inner=False, **options)
+    model = va.enable_varlen(copy.deepcopy(stock), strict=True)
+    run = torch.compile(model, backend="aot_eager", fullgraph=True)
+    keep = torch.rand(3, 8) < 0.7
+    keep[:, 0] = True
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+    va.reset_stats()
+    got = own_names(step(run, {"x": x, "attention_mask": keep.clone()}))
+    assert asked, "the selective checkpointing policy was never consulted"
+    assert_model_close(got, step(stock, {"x": x, "attention_mask": keep.clone()}))
+    assert va.stats()["backends"] == {"split_sdpa": 4} and va.stats()["plan_builds"] == 1, va.stats()

@@ -283,10 +283,11 @@ class VarlenHook(TorchFunctionMode):
                 return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy, forward=self.scope.forward)
         if torch.compiler.is_compiling():
             if func is _CHECKPOINT_OP and _CHECKPOINT_OP is not None:
-                # A torch.utils.checkpoint call in traced code: dynamo has traced its body
-                # without the modes around it (attention there would run stock SDPA, and the
-                # masks the body derives would be unknown) and hands the mode the op with the
-                # body's graph. Its body is traced again here, under this hook.
+                # A torch.utils.checkpoint call in traced code: dynamo hands the mode the
+                # higher-order op it makes of the call, with the checkpointed function, before
+                # it traces that function's body, which it traces without the modes around it
+                # (attention there would run stock SDPA, the masks the body derives would be
+                # unknown). The op is called again with the function under this hook.
                 return func(_HookedBody(args[0], self.scope), *args[1:], **kwargs)
             if args and isinstance(args[0], torch.Tensor) and _tensor_method(func):
                 out = getattr(args[0], func.__name__)(*args[1:], **kwargs)
@@ -312,8 +313,8 @@ class VarlenHook(TorchFunctionMode):
 
 
 class _HookedBody:
-    """The body of a checkpoint traced by dynamo (:meth:`VarlenHook.__torch_function__`), called
-    under a hook of ``scope``."""
+    """The function a checkpoint in traced code runs (:meth:`VarlenHook.__torch_function__`),
+    called under a hook of ``scope``."""
 
     def __init__(self, body, scope: scopes.Scope):
         self.body, self.scope = body, scope
