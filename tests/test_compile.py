@@ -816,13 +816,16 @@ class _CallerCheckpointed(torch.nn.Module):
         return (x,)
 
 
-@pytest.mark.parametrize("how", ["whole, caller's checkpoint", "blocks, checkpoint inside"])
+@pytest.mark.parametrize("how", ["whole, caller's checkpoint", "blocks, checkpoint inside",
+                                 "whole, caller's checkpoint, dynamic=True"])
 def test_checkpoints_in_traced_code_run_attention_in_varlen_attn(how):
     """A torch.utils.checkpoint call in traced code: dynamo traces its body without the modes
     around it, so attention there ran stock SDPA unseen (nothing counted; ``strict`` held nothing)
     and the mask the body derived was unknown. Its body is traced again under the hook now:
     every call of the forward and of the recomputation is routed, equal to stock, with ``strict``
-    on; with the whole model compiled, one plan and one host read per step."""
+    on; with the whole model compiled, one plan and one host read per step. ``dynamic=True``: a
+    float default read in the first body and again in the second stopped dynamo (below
+    ``sdpa_with_policy``'s ``dropout_p``)."""
     from _models import own_names, step
 
     whole = how.startswith("whole")
@@ -830,7 +833,7 @@ def test_checkpoints_in_traced_code_run_attention_in_varlen_attn(how):
     stock = _CallerCheckpointed(caller=whole, inner=not whole)
     model = va.enable_varlen(copy.deepcopy(stock), strict=True)
     if whole:
-        run = torch.compile(model, backend="aot_eager", fullgraph=True)
+        run = torch.compile(model, backend="aot_eager", fullgraph=True, dynamic=how.endswith("dynamic=True") or None)
     else:
         run = model
         for block in model.blocks:
