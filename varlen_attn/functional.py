@@ -186,15 +186,23 @@ def scaled_dot_product_attention(
                             policy=Policy.of(backend, strict), plan=plan)
 
 
-def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=None, is_causal=False, scale=None,
+class _NoDropout:
+    """``sdpa_with_policy``'s default ``dropout_p`` (0.0); not a float: see there."""
+
+
+_NO_DROPOUT = _NoDropout()
+
+
+def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, is_causal=False, scale=None,
                      enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None,
                      forward: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`scaled_dot_product_attention` with a ready :class:`~varlen_attn.scope.Policy`
-    (what ``enable_varlen``'s hook calls, with its scope's ``forward`` handle). ``dropout_p``
-    None is 0.0: a float default read in traced code is an input of the graph when dynamo traces
-    with ``dynamic=True``, and one read in a checkpointed body, then in a second, stopped dynamo
-    ("lift_tracked_freevar_to_input should not be called on root SubgraphTracer")."""
-    if dropout_p is None:
+    (what ``enable_varlen``'s hook calls, with its scope's ``forward`` handle). ``dropout_p``'s
+    default stands for 0.0 and is no float: a float default read in traced code is an input of
+    the graph when dynamo traces with ``dynamic=True``, and one read in a checkpointed body, then
+    in a second, stopped dynamo ("lift_tracked_freevar_to_input should not be called on root
+    SubgraphTracer"). An explicit None is refused, as SDPA refuses it."""
+    if dropout_p is _NO_DROPOUT:
         dropout_p = 0.0
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
