@@ -186,11 +186,7 @@ def scaled_dot_product_attention(
                             policy=Policy.of(backend, strict), plan=plan)
 
 
-class _NoDropout:
-    """``sdpa_with_policy``'s default ``dropout_p`` (0.0); not a float: see there."""
-
-
-_NO_DROPOUT = _NoDropout()
+_NO_DROPOUT = object()  # sdpa_with_policy's default dropout_p (0.0); not a float: see there
 
 
 def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, is_causal=False, scale=None,

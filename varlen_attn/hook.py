@@ -282,7 +282,7 @@ class VarlenHook(TorchFunctionMode):
             with torch._C.DisableTorchFunctionSubclass():  # a tracked mask is plain in here
                 return sdpa_with_policy(*args, **kwargs, policy=self.scope.policy, forward=self.scope.forward)
         if torch.compiler.is_compiling():
-            if func is _CHECKPOINT_OP and _CHECKPOINT_OP is not None:
+            if func is _CHECKPOINT_OP:
                 # A torch.utils.checkpoint call in traced code: dynamo hands the mode the
                 # higher-order op it makes of the call, with the checkpointed function, before
                 # it traces that function's body, which it traces without the modes around it
@@ -314,7 +314,8 @@ class VarlenHook(TorchFunctionMode):
 
 class _HookedBody:
     """The function a checkpoint in traced code runs (:meth:`VarlenHook.__torch_function__`),
-    called under a hook of ``scope``."""
+    called under a hook of ``scope``: every checkpoint dynamo traces, diffusers' own
+    (``model._traced_checkpoint``) and the caller's alike."""
 
     def __init__(self, body, scope: scopes.Scope):
         self.body, self.scope = body, scope

@@ -721,31 +721,12 @@ def _traced_scope(state: _State, in_graph: bool = False) -> Scope:
 
 
 def _traced_checkpoint(func, mask, state: _State, block, *args, **kwargs):
-    """A checkpointed block as dynamo traces it: its mask given back, and the hook entered inside
-    the checkpointed function, whose body dynamo traces as a higher-order op's, without the
-    modes active around it (attention there ran stock SDPA), with the forward's run-time scope,
-    which its recomputation in backward takes too."""
+    """A checkpointed block as dynamo traces it: its mask given back. The hook around the traced
+    forward routes the attention inside the checkpointed call (``hook.VarlenHook`` takes the
+    checkpoint's higher-order op and runs its function under itself)."""
     if isinstance(block, torch.nn.Module) and isinstance(mask, torch.Tensor):
         args = _restore_mask(block, args, kwargs, mask)
-    return func(_Hooked(block, state), *args, **kwargs)
-
-
-class _Hooked:
-    """A checkpointed block under the hook (see _traced_checkpoint); an object with ``__call__``,
-    which diffusers' checkpoint helper calls."""
-
-    def __init__(self, block, state: _State):
-        self.block, self.state = block, state
-
-    def __call__(self, *args, **kwargs):
-        with VarlenHook(_traced_scope(self.state)):
-            return self.block(*args, **kwargs)
-
-    def __getattr__(self, name):  # a checkpoint function that reads the block (``m.training``)
-        block = self.__dict__.get("block")
-        if block is None:
-            raise AttributeError(name)
-        return getattr(block, name)
+    return func(block, *args, **kwargs)
 
 
 class _Checkpoint:
