@@ -16,10 +16,11 @@ out, with fixed shapes, so:
   while tracing; the whole policy (:class:`~varlen_attn.scope.Policy`) travels as constant
   arguments.
 
-Autograd: ``varlen_attn::attention_backward_v2``. The forward's plan and route are kept in this
+Autograd: ``varlen_attn::attention_backward_v3``. The forward's plan and route are kept in this
 module's registry under a handle the op returns (saved for backward), so the backward neither
-re-plans nor re-routes; it also takes the forward's inputs, to resolve them again where
-saved-tensor hooks handed it a copy of the handle (whose original, and entry, are gone). A route
+re-plans nor re-routes (also under saved-tensor hooks that hand it a copy of the handle: the
+entry is kept for the copy); it also takes the forward's inputs, to resolve them again where the
+entry is gone. A route
 with a native backward (FA4) runs it on re-gathered tensors (the log-sum-exp travels in a
 fixed-size ``[Hq, B*Sq]`` buffer: packed shapes are unknown at trace time); other routes
 recompute the forward under autograd inside the backward op (one extra forward). Dropout is refused under compilation (a recomputed forward would draw another mask).
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+from collections import OrderedDict
 import threading
 import weakref
 from typing import Optional
@@ -80,32 +82,80 @@ _refuse_compile = _compiler_disabled(_raise_compile_unsupported,
                                      f"varlen_attn refuses torch.compile below torch {COMPILE_MIN_TORCH}")
 
 
-# The one registry: op-output handle -> (plan, route, mask4, options) of a forward, while the
-# handle tensor (saved for backward) lives.
+# The one registry: op-output handle -> (plan, route, mask, options) of an attention call (the mask
+# as _kept_mask keeps it), or a forward's scope (forward_op), while the handle tensor (saved for
+# backward) lives. Saved-tensor hooks that copy what autograd saves (offloading:
+# ``save_on_cpu(pin_memory=True)``) hand the backward a copy of the handle, and the original dies
+# with the forward, taking its entry along. So an entry made under saved-tensor hooks other than
+# torch's checkpoint's (which keep the handle or recompute it) is marked ``keep``: when its handle
+# dies, it is kept under its number, which the copy holds. An attention call's entry waits in
+# ``_kept`` until a backward takes it (at most _KEPT_MAX, the oldest going first: forwards under
+# such hooks whose backward never runs); a forward's scope, which every recomputation of its
+# checkpointed blocks reads, in ``_kept_scopes``, the last _KEPT_SCOPES of them. What they hold
+# are plans a forward shares between its layers: a few per step.
 _ids = itertools.count(1)
-_calls: dict[int, tuple] = {}
+_calls: dict[int, tuple] = {}  # number -> (entry, keep)
+_kept: "OrderedDict[int, tuple]" = OrderedDict()
+_kept_scopes: "OrderedDict[int, Scope]" = OrderedDict()
+_KEPT_MAX = 1024
+_KEPT_SCOPES = 4
 _lock = threading.Lock()
 
 
-def _hold(entry: tuple) -> Tensor:
+def _hold(entry, keep: bool = False) -> Tensor:
     ident = next(_ids)
     t = torch.tensor([ident], dtype=torch.int64)
     with _lock:
-        _calls[ident] = entry
+        _calls[ident] = (entry, keep)
     weakref.finalize(t, _release, ident)
     return t
 
 
 def _release(ident: int) -> None:
     with _lock:
-        _calls.pop(ident, None)
+        entry, keep = _calls.pop(ident, (None, False))
+        if keep:
+            kept, most = (_kept_scopes, _KEPT_SCOPES) if isinstance(entry, Scope) else (_kept, _KEPT_MAX)
+            kept[ident] = entry
+            if len(kept) > most:
+                kept.popitem(last=False)
 
 
-def _held(handle: Tensor) -> tuple | Scope | None:
-    """The entry under ``handle``, or None where the handle is a copy whose original (and entry)
-    is gone."""
+def _held(handle: Tensor, take: bool = False):
+    """The entry under ``handle``, also where the handle is a copy whose original is gone and the
+    entry was kept; else None. ``take``: an attention backward's lookup (a kept entry is given
+    once)."""
+    ident = int(handle.item())
     with _lock:
-        return _calls.get(int(handle.item()))
+        entry, keep = _calls.get(ident, (None, False))
+        if entry is None:
+            return _kept.pop(ident, None) if take else _kept_scopes.get(ident)
+        if take and keep:
+            _calls[ident] = (entry, False)  # taken: its handle's death keeps nothing
+        return entry
+
+
+_CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
+
+
+def _hooks_may_copy() -> bool:
+    """Saved-tensor hooks are active, and they are not torch's checkpoint's: what autograd saves
+    (the handle) may reach the backward as a copy."""
+    hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return hooks is not None and not getattr(hooks[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS)
+
+
+def _kept_mask(plan: VarlenPlan | None, r, mask4: Tensor | None) -> Tensor | None:
+    """What the backward of a call on route ``r`` reads of its mask. A varlen route reads its plan
+    only: nothing. Masked SDPA reads the mask: a boolean one (or a float 0/1 mask read as one) as
+    a copy made at the call, so a write in place after it does not reach the backward, as it does
+    not reach SDPA's (whose saved bias is a conversion of the mask); a float bias as it is, as
+    SDPA saves it (a copy of a bias every layer shares would be one per layer)."""
+    if r.impl is not None or mask4 is None:
+        return None
+    if plan is not None and plan.read_as_bool:
+        return execution.sdpa_mask(plan, mask4)  # a new tensor
+    return mask4.clone() if mask4.dtype == torch.bool else mask4
 
 
 # In the names of the three ops below. Inductor's on-disk cache keys a compiled graph by its forward
@@ -143,7 +193,7 @@ def forward_op(masks: list[Tensor]) -> Tensor:
     scope = Scope(Policy())
     for i, t in enumerate(masks):
         scope.add_root(str(i), t)
-    return _hold(scope)
+    return _hold(scope, _hooks_may_copy())
 
 
 @forward_op.register_fake
@@ -184,7 +234,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
         r, (out, lse_buf) = execution.rerouted(
             backend, r, lambda: _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model),
             lambda r: _op_forward(q, k, v, plan, r, mask4, opts))
-        return out.contiguous(), lse_buf, _hold((plan, r, mask4, opts))
+        return out.contiguous(), lse_buf, _hold((plan, r, _kept_mask(plan, r, mask4), opts), _hooks_may_copy())
 
 
 def _op_forward(q, k, v, plan, r, mask4, opts):
@@ -255,18 +305,20 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                           derivation: str, scale: Optional[float], causal: bool, gqa: bool, backend: str,
                           strict: bool, convention: str, float_mask: str, model: bool,
                           forward: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward's gradients. Its plan and route come from the registry under ``handle``; where
-    the handle the backward got is a copy (saved-tensor hooks that copy what autograd saves, such
-    as ``save_on_cpu(pin_memory=True)``: the original died with the forward, and its entry with
-    it), they are resolved again from the forward's own inputs, which the rest of the arguments
-    are: the same plan (a prebuilt plan by its token's value, else built again from the mask:
-    one host read) and the same route."""
+    """The forward's gradients. Its plan and route come from the registry under ``handle`` (also
+    where the handle is a copy made by saved-tensor hooks: the entry was kept for it). Where the
+    entry is gone (a kept entry given out already, by a second backward through the same graph, or
+    one of more than _KEPT_MAX waiting), they are resolved again from the forward's own inputs,
+    which the rest of the arguments are: the same plan (a prebuilt plan by its token's value,
+    else built again from the mask: one host read) and the same route."""
     with torch._C.DisableTorchFunction():
-        entry = _held(handle)
+        entry = _held(handle, take=True)
         if entry is None:
-            entry = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict,
-                                   convention, float_mask, model, _scope_of(forward, thread=False), backward=True)
-        plan, r, mask4, opts = entry
+            plan, r, mask4, opts = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend,
+                                                  strict, convention, float_mask, model,
+                                                  _scope_of(forward, thread=False), backward=True)
+        else:
+            plan, r, mask4, opts = entry
         if r.fused:
             return _contiguous(execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
                                                          plan, r, opts))
@@ -314,12 +366,21 @@ def _autograd_dispatch():
 def _setup_context(ctx, inputs, output):
     q, k, v, mask, token, roots, *constants, forward = inputs
     out, lse, handle = output
-    ctx.save_for_backward(q, k, v, out, lse, handle, mask, token, forward, *roots)
+    # A boolean mask is not saved: a save checks that nothing writes the tensor in place until the
+    # backward, and a mask written in place after the call (code may, with SDPA) stopped
+    # AOTAutograd's trace there, where SDPA, which saves a conversion of it, runs. The backward
+    # reads it only where its entry is gone (attention_backward_op); what it needs of its values
+    # is in the entry (_kept_mask). A float mask is saved, as SDPA saves a float bias.
+    saved = mask if mask is not None and mask.is_floating_point() else None
+    ctx.save_for_backward(q, k, v, out, lse, handle, token, forward, saved)
+    ctx.masks = mask, roots
     ctx.constants = constants  # derivation, scale, causal, gqa, backend, strict, convention, float_mask, model
 
 
 def _backward(ctx, dout, _dlse, _dhandle):
-    q, k, v, out, lse, handle, mask, token, forward, *roots = ctx.saved_tensors
+    q, k, v, out, lse, handle, token, forward, saved = ctx.saved_tensors
+    mask, roots = ctx.masks
+    mask = mask if saved is None else saved
     dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, handle, mask, token, roots,
                                        *ctx.constants, forward)
     return dq, dk, dv, None, None, [None] * len(roots), *(None,) * len(ctx.constants), None
