@@ -473,7 +473,7 @@ def test_compiled_op_lse_does_not_hold_stale_memory(backend):
     for _ in range(3):
         torch.full((H, B * S), float("nan"), dtype=torch.float32)  # made and freed right away
         lse = va.op.attention_op(q, k, v, keep, None, [], "", None, False, False, backend, False,
-                                 "model", "bool", False, None)[1]
+                                 "model", "bool", False, None, False)[1]
         assert torch.equal(lse, torch.zeros_like(lse)), lse
 
 
@@ -505,10 +505,10 @@ def test_compiled_attention_under_hooks_that_copy_saved_tensors(given):
 
 
 def test_plan_freed_before_backward_under_hooks_that_copy():
-    """Under copying hooks the backward takes the entry its forward kept, which holds the plan: a
-    plan freed before the backward still serves it, with or without attn_mask. A second backward
-    through the same graph finds the entry taken: it plans again from attn_mask where one was
-    passed, and without one the error says what to do."""
+    """Under copying hooks the backward finds the entry its forward kept, which holds the plan: a
+    plan freed before the backward still serves it, with or without attn_mask, and a second
+    backward through the retained graph too (the entry lives as long as the copy of the handle
+    the backward got)."""
     import gc
 
     compiled = torch.compile(lambda q, k, v, keep, plan: va.attention(q, k, v, attn_mask=keep, plan=plan),
@@ -523,17 +523,31 @@ def test_plan_freed_before_backward_under_hooks_that_copy():
             out = compiled(q, k, v, keep if with_mask else None, va.build_plan(keep, cache=False))
         gc.collect()
         w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
-        out.backward(w, retain_graph=True)
-        for a, b in zip([q.grad, k.grad, v.grad], want[1:]):
-            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-        q.grad = k.grad = v.grad = None
-        if with_mask:
-            out.backward(w)
+        for retain in (True, False):
+            q.grad = k.grad = v.grad = None
+            out.backward(w, retain_graph=retain)
             for a, b in zip([q.grad, k.grad, v.grad], want[1:]):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-        else:
-            with pytest.raises(va.InputValueError, match="freed before its backward ran.*keep a reference"):
-                out.backward(w)
+        del out
+        gc.collect()
+        assert not va.op._kept, "the entry outlived its graph"
+
+
+def test_a_backward_whose_kept_entry_was_dropped_says_so(monkeypatch):
+    """More forwards under copying hooks than entries kept, before their backward: the oldest
+    call's backward finds nothing, and says why, rather than planning again from a mask that may
+    have been written since."""
+    from varlen_attn import op
+
+    monkeypatch.setattr(op, "_KEPT_MAX", 1)
+    compiled = torch.compile(lambda q, k, v, keep: va.attention(q, k, v, attn_mask=keep),
+                             fullgraph=True, backend="aot_eager")
+    keep = torch.arange(S)[None] < torch.tensor(_lengths(0))[:, None]
+    with CopySaved():
+        first, second = compiled(*_qkv(0), keep), compiled(*_qkv(1), keep)
+    second.sum().backward()
+    with pytest.raises(va.VarlenAttnError, match="found no entry of its forward.*dropped as the oldest"):
+        first.sum().backward()
 
 
 @pytest.mark.parametrize("checkpointing", [True, False])
@@ -595,7 +609,7 @@ def test_a_whole_model_compiled_under_hooks_that_copy_plans_once_or_twice_per_st
 
 
 class _WritesItsMask(torch.nn.Module):
-    """Attention with a boolean mask, the mask then written in place (the first key of every row
+    """Attention with a boolean mask, the mask then written in place (the last key of every row
     kept), and attention again with the written mask."""
 
     def __init__(self):
@@ -606,7 +620,7 @@ class _WritesItsMask(torch.nn.Module):
         q, k, v = (t.transpose(1, 2) for t in self.proj(x).view(B, S, 3, H, D).unbind(2))
         mask = attention_mask if attention_mask.dim() == 4 else attention_mask[:, None, None, :]
         first = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        attention_mask[..., 0] = True
+        attention_mask[..., -1] = True
         return first + F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
@@ -642,9 +656,57 @@ def test_a_mask_written_in_place_after_the_call_in_compiled_code_runs_as_stock_d
         with CopySaved() if hooks else contextlib.nullcontext():
             out = run(xs, mask)
         w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
-        (out * w).sum().backward()
-        results.append([out.detach(), xs.grad, *(p.grad for p in run.parameters()), mask])
+        grads = [torch.autograd.grad(out, [xs, *run.parameters()], w, retain_graph=retain) for retain in (True, False)]
+        results.append([out.detach(), *grads[0], *grads[1], mask])  # a second backward through the graph too
+    assert not torch.equal(results[0][-1], _mask_to_write(form)), "the write changed nothing"
     for got, want in zip(results[1], results[0]):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("hooks", [False, True], ids=["no hooks", "hooks that copy"])
+@pytest.mark.parametrize("dtype", [torch.bool, torch.float64])
+def test_a_mask_written_in_place_between_compiled_blocks_runs_as_stock_does(dtype, hooks):
+    """Two compiled blocks, the mask written in place between them: a boolean mask runs as with
+    SDPA (before, the first block's backward refused it: the op saved it); a float bias that cannot
+    be packed (masked SDPA) is refused as SDPA refuses it, and under hooks that copy (which copy it
+    at the call) both run on the bias as it was at the call."""
+    import contextlib
+
+    g = torch.Generator().manual_seed(5)
+    keep = torch.rand(B, 1, S, S, generator=g) > 0.5
+    keep[..., 2] = True
+    make = (lambda: keep.clone()) if dtype == torch.bool else (lambda: torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~keep, -3.0))
+
+    def write(mask):
+        if mask.dtype == torch.bool:
+            mask[..., -1] = True
+        else:
+            mask.mul_(2)
+
+    def model_of(block):
+        def run(q, k, v, mask):
+            first = block(q, k, v, attn_mask=mask)
+            write(mask)
+            return first + block(q.flip(2), k, v, attn_mask=mask)
+        return run
+
+    stock = model_of(F.scaled_dot_product_attention)
+    enabled = model_of(torch.compile(va.scaled_dot_product_attention, fullgraph=True, backend="aot_eager"))
+    outcomes = []
+    for run in (stock, enabled):
+        q, k, v = (t.transpose(1, 2) for t in _qkv(7))
+        try:
+            with CopySaved() if hooks else contextlib.nullcontext():
+                out = run(q, k, v, make())
+            w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+            outcomes.append(torch.autograd.grad(out, (q, k, v), w))
+        except RuntimeError as e:
+            assert "modified by an inplace operation" in str(e), e
+            outcomes.append("refused")
+    if dtype == torch.float64 and not hooks:
+        assert outcomes == ["refused", "refused"], outcomes
+        return
+    for got, want in zip(*outcomes):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
@@ -664,6 +726,9 @@ def test_entries_kept_for_copied_handles_are_bounded_and_not_kept_under_checkpoi
             compiled(*_qkv(seed), keep)  # no backward: the handle dies with the output
     assert len(op._kept) == 2
     op._kept.clear()
+    with CopySaved(), torch.no_grad():
+        compiled(*_qkv(0), keep)  # no backward can follow: nothing kept
+    assert not op._kept
     q, k, v = _qkv(0)
     out = torch.utils.checkpoint.checkpoint(compiled, q, k, v, keep, use_reentrant=False)
     out.sum().backward()

@@ -82,7 +82,7 @@ def _in_place(func) -> bool:
 @torch.compiler.assume_constant_result  # a constant per function while dynamo traces the hook
 def _tensor_method(func) -> bool:
     """``func`` is a method of ``torch.Tensor`` (re-issued as a method call while dynamo traces).
-    Not an op overload, whose name is dotted (``attention_v3.default``): torch 2.11's dynamo
+    Not an op overload, whose name is dotted (``attention_v4.default``): torch 2.11's dynamo
     asserts on a ``getattr`` of a dotted name."""
     name = getattr(func, "__name__", "")
     return "." not in name and getattr(torch.Tensor, name, None) is func

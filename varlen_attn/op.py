@@ -1,7 +1,7 @@
 """Attention under ``torch.compile``: custom ops, opaque to dynamo and inductor.
 
 Under compilation the functional entries (and through them ``enable_varlen``'s SDPA hook) call
-:func:`attention`, which calls ``torch.ops.varlen_attn.attention_v2`` (under CUDA graphs another
+:func:`attention`, which calls ``torch.ops.varlen_attn.attention_v4`` (under CUDA graphs another
 path, below: "Under CUDA graphs"; in compiled blocks of an enabled model with a backend whose
 kernel traces or has its own entry points, attention in the graph itself, below: "In the
 graph"). Everything data-dependent happens inside that op, at run time, through the same code
@@ -16,12 +16,12 @@ out, with fixed shapes, so:
   while tracing; the whole policy (:class:`~varlen_attn.scope.Policy`) travels as constant
   arguments.
 
-Autograd: ``varlen_attn::attention_backward_v3``. The forward's plan and route are kept in this
+Autograd: ``varlen_attn::attention_backward_v4``. The forward's plan and route are kept in this
 module's registry under a handle the op returns (saved for backward), so the backward neither
 re-plans nor re-routes (also under saved-tensor hooks that hand it a copy of the handle: the
-entry is kept for the copy); it also takes the forward's inputs, to resolve them again where the
-entry is gone. A route
-with a native backward (FA4) runs it on re-gathered tensors (the log-sum-exp travels in a
+entry is kept for the copy); of the forward's mask it takes a float bias only, saved as SDPA
+saves one (a boolean mask's values are in the entry, see ``_kept_mask``). A route with a native
+backward (FA4) runs it on re-gathered tensors (the log-sum-exp travels in a
 fixed-size ``[Hq, B*Sq]`` buffer: packed shapes are unknown at trace time); other routes
 recompute the forward under autograd inside the backward op (one extra forward). Dropout is refused under compilation (a recomputed forward would draw another mask).
 """
@@ -82,24 +82,28 @@ _refuse_compile = _compiler_disabled(_raise_compile_unsupported,
                                      f"varlen_attn refuses torch.compile below torch {COMPILE_MIN_TORCH}")
 
 
-# The one registry: op-output handle -> (plan, route, mask, options) of an attention call (the mask
-# as _kept_mask keeps it), or a forward's scope (forward_op), while the handle tensor (saved for
-# backward) lives. Saved-tensor hooks that copy what autograd saves (offloading:
+# The one registry: op-output handle -> (plan, route, mask, options, convention) of an attention
+# call (the mask as _kept_mask keeps it), or a forward's scope (forward_op), while the handle tensor
+# (saved for backward) lives. The backward reads its call's entry only (attention_backward_op).
+# Saved-tensor hooks that copy what autograd saves (offloading:
 # ``save_on_cpu(pin_memory=True)``) hand the backward a copy of the handle, and the original dies
-# with the forward, taking its entry along. So an entry made under saved-tensor hooks other than
-# torch's checkpoint's (which keep the handle or recompute it) is marked ``keep``: when its handle
-# dies, it is kept under its number, which the copy holds. An attention call's entry waits in
-# ``_kept`` until a backward takes it (at most _KEPT_MAX, the oldest going first: forwards under
-# such hooks whose backward never runs); a forward's scope, which every recomputation of its
-# checkpointed blocks reads, in ``_kept_scopes``, the last _KEPT_SCOPES of them. What they hold
-# are plans a forward shares between its layers: a few per step.
+# with the forward. So an entry made, in training, under saved-tensor hooks other than torch's
+# checkpoint's (which keep the handle or recompute it) is marked ``keep``: when its handle dies it
+# is kept under its number, which the copy holds. An attention call's entry waits in ``_kept``
+# until a backward finds it, then lives as long as the copy that backward got (a second backward
+# through a retained graph finds it again); at most _KEPT_MAX wait (the oldest go first: training
+# forwards under such hooks whose backward never runs). A forward's scope, which the recomputation
+# of its checkpointed blocks reads, waits in ``_kept_scopes``, the last _KEPT_SCOPES of them. What
+# they hold are plans a forward shares between its layers (a few per step), and on masked SDPA the
+# mask's copy.
 _ids = itertools.count(1)
 _calls: dict[int, tuple] = {}  # number -> (entry, keep)
 _kept: "OrderedDict[int, tuple]" = OrderedDict()
 _kept_scopes: "OrderedDict[int, Scope]" = OrderedDict()
+_adopted: set[int] = set()  # kept entries tied to the copy of the handle a backward got
 _KEPT_MAX = 1024
 _KEPT_SCOPES = 4
-_lock = threading.Lock()
+_lock = threading.RLock()  # also taken by the handles' finalizers, which a collection may run anywhere
 
 
 def _hold(entry, keep: bool = False) -> Tensor:
@@ -117,21 +121,34 @@ def _release(ident: int) -> None:
         if keep:
             kept, most = (_kept_scopes, _KEPT_SCOPES) if isinstance(entry, Scope) else (_kept, _KEPT_MAX)
             kept[ident] = entry
-            if len(kept) > most:
-                kept.popitem(last=False)
+            while len(kept) > most:
+                _adopted.discard(kept.popitem(last=False)[0])
 
 
-def _held(handle: Tensor, take: bool = False):
+def _drop_kept(ident: int) -> None:
+    with _lock:
+        _kept.pop(ident, None)
+        _adopted.discard(ident)
+
+
+def _held(handle: Tensor, backward: bool = False):
     """The entry under ``handle``, also where the handle is a copy whose original is gone and the
-    entry was kept; else None. ``take``: an attention backward's lookup (a kept entry is given
-    once)."""
+    entry was kept; else None. ``backward``: an attention backward's lookup, which ties a kept
+    entry to the handle it got (the copy)."""
     ident = int(handle.item())
     with _lock:
         entry, keep = _calls.get(ident, (None, False))
-        if entry is None:
-            return _kept.pop(ident, None) if take else _kept_scopes.get(ident)
-        if take and keep:
-            _calls[ident] = (entry, False)  # taken: its handle's death keeps nothing
+        if entry is not None:
+            if backward and keep:
+                _calls[ident] = (entry, False)  # found by its own handle: nothing to keep at its death
+            return entry
+        if not backward:
+            return _kept_scopes.get(ident)
+        entry = _kept.get(ident)
+        if entry is not None and ident not in _adopted:
+            _adopted.add(ident)
+            _kept.move_to_end(ident)
+            weakref.finalize(handle, _drop_kept, ident)
         return entry
 
 
@@ -146,23 +163,23 @@ def _hooks_may_copy() -> bool:
 
 
 def _kept_mask(plan: VarlenPlan | None, r, mask4: Tensor | None) -> Tensor | None:
-    """What the backward of a call on route ``r`` reads of its mask. A varlen route reads its plan
-    only: nothing. Masked SDPA reads the mask: a boolean one (or a float 0/1 mask read as one) as
-    a copy made at the call, so a write in place after it does not reach the backward, as it does
-    not reach SDPA's (whose saved bias is a conversion of the mask); a float bias as it is, as
-    SDPA saves it (a copy of a bias every layer shares would be one per layer)."""
+    """What the entry keeps of the mask for the backward of a call on route ``r``. A varlen route
+    reads its plan only: nothing. Masked SDPA reads the mask: a boolean one (or a float 0/1 mask
+    read as one) as a copy made at the call, as SDPA's backward reads a conversion made at its
+    call, so a write in place after the call does not reach it; a float bias is saved by the op's
+    autograd instead, as SDPA saves it (:func:`_setup_context`), and not kept here."""
     if r.impl is not None or mask4 is None:
         return None
     if plan is not None and plan.read_as_bool:
         return execution.sdpa_mask(plan, mask4)  # a new tensor
-    return mask4.clone() if mask4.dtype == torch.bool else mask4
+    return mask4.clone() if mask4.dtype == torch.bool else None
 
 
 # In the names of the three ops below. Inductor's on-disk cache keys a compiled graph by its forward
 # (the ops it calls and their arguments), not by the backward registered for an op: after a change
 # of what the backward op takes, a cached graph would call it the old way. So such a change also
 # changes this suffix, and with it the forward op's name and every cache key.
-_CONTRACT = "_v3"
+_CONTRACT = "_v4"
 
 # The attention ops read the plan on the host at run time (and may build it): a CUDA graph replaying them
 # would replay the last batch's plan. Tagged, inductor's CUDA graphs (mode="reduce-overhead")
@@ -222,11 +239,12 @@ def _scope_of(forward: Tensor | None, thread: bool = True) -> Scope | None:
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token: Optional[Tensor],
                  roots: list[Tensor], derivation: str, scale: Optional[float], causal: bool, gqa: bool,
                  backend: str, strict: bool, convention: str, float_mask: str,
-                 model: bool, forward: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+                 model: bool, forward: Optional[Tensor], training: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Padded ``[B, S, H, D]`` q, k, v -> ``(out [B, Sq, Hq, Dv], lse [Hq, B*Sq] float32,
     handle)``; lse holds the kernel's values in its first ``total_q`` columns on fused routes and
     zeros elsewhere. ``forward``: the handle of the running forward of a whole model compiled
-    (:func:`forward_op`), whose scope its plans are kept in; else the thread's scope."""
+    (:func:`forward_op`), whose scope its plans are kept in; else the thread's scope.
+    ``training``: traced where a backward may follow (its entry may be kept for one)."""
     with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
         plan, r, mask4, opts = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend,
                                               strict, convention, float_mask, model, _scope_of(forward))
@@ -234,7 +252,8 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
         r, (out, lse_buf) = execution.rerouted(
             backend, r, lambda: _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model),
             lambda r: _op_forward(q, k, v, plan, r, mask4, opts))
-        return out.contiguous(), lse_buf, _hold((plan, r, _kept_mask(plan, r, mask4), opts), _hooks_may_copy())
+        entry = (plan, r, _kept_mask(plan, r, mask4), opts, convention)
+        return out.contiguous(), lse_buf, _hold(entry, training and _hooks_may_copy())
 
 
 def _op_forward(q, k, v, plan, r, mask4, opts):
@@ -251,19 +270,13 @@ def _op_forward(q, k, v, plan, r, mask4, opts):
 
 
 def _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention,
-                   float_mask, model, scope, backward: bool = False):
-    """``(plan, route, mask4, options)`` of a call of the op: what its backward needs. ``backward``:
-    resolved again in the backward (handed copies by saved-tensor hooks), where a prebuilt plan
-    freed since the forward is planned again from the mask."""
+                   float_mask, model, scope):
+    """``(plan, route, mask4, options)`` of a call of the op."""
     policy = Policy(backend, strict, float_mask, model)
     opts = Options(scale, causal, 0.0, gqa)
     plan = None if token is None else plan_of_token(token)
-    if token is not None and plan is None and (not backward or mask is None):
-        raise InputValueError(
-            "the plan passed to attention was freed before its backward ran, and the backward, handed "
-            "copies by saved-tensor hooks (offloading), cannot find it again: keep a reference to the "
-            "plan until backward, or pass attn_mask too" if backward else
-            "the plan passed to attention was freed before the compiled call ran")
+    if token is not None and plan is None:
+        raise InputValueError("the plan passed to attention was freed before the compiled call ran")
     plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                         device=q.device, convention=convention, policy=policy, plan=plan, scope=scope,
                         roots=roots, derivation=derivation, graph=True)
@@ -279,7 +292,7 @@ def _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model):
 
 @attention_op.register_fake
 def _(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention, float_mask,
-      model, forward):
+      model, forward, training):
     if q.device.type == "cuda" and _cuda_graphs_requested():
         raise BackendUnavailableError(
             "CUDA graphs (torch.compile mode='reduce-overhead') were requested, but varlen_attn did not "
@@ -301,27 +314,27 @@ def _cuda_graphs_requested() -> bool:
 
 @torch.library.custom_op(f"varlen_attn::attention_backward{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
 def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                          handle: Tensor, mask: Optional[Tensor], token: Optional[Tensor], roots: list[Tensor],
-                          derivation: str, scale: Optional[float], causal: bool, gqa: bool, backend: str,
-                          strict: bool, convention: str, float_mask: str, model: bool,
-                          forward: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward's gradients. Its plan and route come from the registry under ``handle`` (also
-    where the handle is a copy made by saved-tensor hooks: the entry was kept for it). Where the
-    entry is gone (a kept entry given out already, by a second backward through the same graph, or
-    one of more than _KEPT_MAX waiting), they are resolved again from the forward's own inputs,
-    which the rest of the arguments are: the same plan (a prebuilt plan by its token's value,
-    else built again from the mask: one host read) and the same route."""
+                          handle: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward's gradients, on its plan and route, from the registry under ``handle`` (also
+    where the handle is a copy made by saved-tensor hooks: the entry was kept for it). ``bias``:
+    the call's mask where it is a float one (saved as SDPA saves a float bias), which masked SDPA
+    reads; every other mask is read from the entry (:func:`_kept_mask`). The forward's mask is
+    not an input: a boolean mask is not saved for backward, so a write in place after the call
+    runs as with SDPA."""
     with torch._C.DisableTorchFunction():
-        entry = _held(handle, take=True)
+        entry = _held(handle, backward=True)
         if entry is None:
-            plan, r, mask4, opts = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend,
-                                                  strict, convention, float_mask, model,
-                                                  _scope_of(forward, thread=False), backward=True)
-        else:
-            plan, r, mask4, opts = entry
+            raise VarlenAttnError(
+                "the backward of a compiled varlen_attn call found no entry of its forward: under "
+                f"saved-tensor hooks that copy what autograd saves, at most {_KEPT_MAX} attention calls "
+                "wait for their backward, and this one was dropped as the oldest; run the backward of a "
+                "forward before that many more attention calls run under the hooks")
+        plan, r, mask4, opts, convention = entry
         if r.fused:
             return _contiguous(execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
                                                          plan, r, opts))
+        if r.impl is None and mask4 is None and bias is not None:
+            mask4 = execution.mask4_of(bias, q, k, convention)
         return _recomputed_grads(dout, q, k, v, plan, mask4, r, opts)
 
 
@@ -346,7 +359,7 @@ def _contiguous_like(*tensors):
 
 
 @attention_backward_op.register_fake
-def _(dout, q, k, v, out, lse, handle, *forward_inputs):
+def _(dout, q, k, v, out, lse, handle, bias):
     return _contiguous_like(q, k, v)
 
 
@@ -364,26 +377,23 @@ def _autograd_dispatch():
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, mask, token, roots, *constants, forward = inputs
+    q, k, v, mask = inputs[:4]
     out, lse, handle = output
-    # A boolean mask is not saved: a save checks that nothing writes the tensor in place until the
-    # backward, and a mask written in place after the call (code may, with SDPA) stopped
-    # AOTAutograd's trace there, where SDPA, which saves a conversion of it, runs. The backward
-    # reads it only where its entry is gone (attention_backward_op); what it needs of its values
-    # is in the entry (_kept_mask). A float mask is saved, as SDPA saves a float bias.
-    saved = mask if mask is not None and mask.is_floating_point() else None
-    ctx.save_for_backward(q, k, v, out, lse, handle, token, forward, saved)
-    ctx.masks = mask, roots
-    ctx.constants = constants  # derivation, scale, causal, gqa, backend, strict, convention, float_mask, model
+    # Saved: what the backward op takes. A boolean mask is not (the backward reads its entry): a
+    # save checks that nothing writes the tensor in place until the backward, and a write after
+    # the call (code may, with SDPA) stopped AOTAutograd's trace, or the backward between compiled
+    # blocks, where SDPA, which saves a conversion of it, runs. A float mask is saved, as SDPA saves
+    # a float bias: written in place after the call, both refuse.
+    bias = mask if mask is not None and mask.is_floating_point() else None
+    ctx.save_for_backward(q, k, v, out, lse, handle, bias)
+    ctx.roots = len(inputs[5])
+    ctx.rest = len(inputs) - 6  # derivation ... training
 
 
 def _backward(ctx, dout, _dlse, _dhandle):
-    q, k, v, out, lse, handle, token, forward, saved = ctx.saved_tensors
-    mask, roots = ctx.masks
-    mask = mask if saved is None else saved
-    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, handle, mask, token, roots,
-                                       *ctx.constants, forward)
-    return dq, dk, dv, None, None, [None] * len(roots), *(None,) * len(ctx.constants), None
+    q, k, v, out, lse, handle, bias = ctx.saved_tensors
+    dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, handle, bias)
+    return dq, dk, dv, None, None, [None] * ctx.roots, *(None,) * ctx.rest
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
@@ -408,10 +418,11 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
         if chosen:
             return _in_graph_attention(q, k, v, mask, chosen, scale, convention=convention, opts=opts, policy=policy)
     roots, derivation = traced_signature(mask)
+    training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token, roots, derivation,
                              None if opts.scale is None else float(opts.scale), bool(opts.causal),
                              bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask,
-                             policy.model, forward)
+                             policy.model, forward, training)
     return out
 
 
