@@ -530,7 +530,8 @@ def test_plan_freed_before_backward_under_hooks_that_copy():
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
         del out
         gc.collect()
-        assert not va.op._kept, "the entry outlived its graph"
+        assert not va.op._waiting and not any(r.adopted for r in va.op._records.values()), \
+            "the entry outlived its graph"
 
 
 def test_a_backward_whose_kept_entry_was_dropped_says_so(monkeypatch):
@@ -546,7 +547,7 @@ def test_a_backward_whose_kept_entry_was_dropped_says_so(monkeypatch):
     with CopySaved():
         first, second = compiled(*_qkv(0), keep), compiled(*_qkv(1), keep)
     second.sum().backward()
-    with pytest.raises(va.VarlenAttnError, match="found no entry of its forward.*dropped as the oldest"):
+    with pytest.raises(va.VarlenAttnError, match="found no entry of its forward.*oldest dropped first"):
         first.sum().backward()
 
 
@@ -710,30 +711,105 @@ def test_a_mask_written_in_place_between_compiled_blocks_runs_as_stock_does(dtyp
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+def _clear_waiting():
+    from varlen_attn import op
+
+    for ident in list(op._waiting):
+        op._records.pop(ident, None)
+    op._waiting.clear()
+
+
 def test_entries_kept_for_copied_handles_are_bounded_and_not_kept_under_checkpoints(monkeypatch):
     """An attention call under hooks that copy keeps its entry for the backward; forwards whose
-    backward never runs keep at most _KEPT_MAX, and a checkpoint's own hooks (which hand the
-    backward the handle itself) keep nothing."""
+    backward never runs keep at most _KEPT_MAX entries and _KEPT_BYTES of kept masks; a call that
+    no backward can follow (no_grad), and one under a checkpoint's own hooks (which hand the
+    backward the handle itself), keep nothing."""
     from varlen_attn import op
 
     monkeypatch.setattr(op, "_KEPT_MAX", 2)
     compiled = torch.compile(lambda q, k, v, keep: va.attention(q, k, v, attn_mask=keep),
                              fullgraph=True, backend="aot_eager")
     keep = torch.arange(S)[None] < torch.tensor(_lengths(0))[:, None]
-    op._kept.clear()
+    _clear_waiting()
     for seed in range(4):
         with CopySaved():
             compiled(*_qkv(seed), keep)  # no backward: the handle dies with the output
-    assert len(op._kept) == 2
-    op._kept.clear()
+    assert len(op._waiting) == 2
+    _clear_waiting()
     with CopySaved(), torch.no_grad():
-        compiled(*_qkv(0), keep)  # no backward can follow: nothing kept
-    assert not op._kept
+        compiled(*_qkv(0), keep)
+    assert not op._waiting
     q, k, v = _qkv(0)
     out = torch.utils.checkpoint.checkpoint(compiled, q, k, v, keep, use_reentrant=False)
     out.sum().backward()
     del out
-    assert not op._kept and q.grad is not None
+    assert not op._waiting and q.grad is not None
+    # Masked SDPA keeps a copy of its boolean mask: bounded in bytes too.
+    g = torch.Generator().manual_seed(2)
+    unpackable = torch.rand(B, 1, S, S, generator=g) > 0.5
+    unpackable[..., 0] = True
+    monkeypatch.setattr(op, "_KEPT_MAX", 100)
+    monkeypatch.setattr(op, "_KEPT_BYTES", 2 * unpackable.numel())
+    for seed in range(4):
+        with CopySaved():
+            compiled(*_qkv(seed), unpackable[:, :, None].expand(B, 1, 1, S, S).squeeze(2))
+    assert len(op._waiting) == 2 and sum(op._waiting.values()) <= 2 * unpackable.numel(), dict(op._waiting)
+    _clear_waiting()
+
+
+class _CopyKeepingOriginals(torch.autograd.graph.saved_tensors_hooks):
+    """Hooks that hand the backward a copy and keep the original alive (``keep``), or that make
+    a new copy at every unpack (``fresh``)."""
+
+    def __init__(self, kind):
+        self.originals = []
+
+        def pack(t):
+            if kind == "keep":
+                self.originals.append(t)
+                return t.new_empty(0).set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+            return t
+
+        def unpack(t):
+            if kind == "keep":
+                return t
+            return t.new_empty(0).set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+
+        super().__init__(pack, unpack)
+
+
+@pytest.mark.parametrize("kind", ["keep", "fresh"])
+def test_a_retained_graph_under_hooks_that_copy_at_unpack_or_keep_the_original(kind):
+    """Two backwards through a retained graph under hooks that hand the backward a copy while
+    the original lives (``keep``: the copy is adopted, the second backward finds the entry) or
+    a new copy at every unpack (``fresh``: the first backward's copy dies with it, and the second
+    backward says so rather than compute anything)."""
+    import gc
+
+    compiled = torch.compile(lambda q, k, v, keep: va.attention(q, k, v, attn_mask=keep),
+                             fullgraph=True, backend="aot_eager")
+    keep = torch.arange(S)[None] < torch.tensor(_lengths(0))[:, None]
+    want = _grads(lambda q, k, v: F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=keep[:, None, None, :]).transpose(1, 2),
+        *_qkv(0))
+    q, k, v = _qkv(0)
+    hooks = _CopyKeepingOriginals(kind)
+    with hooks:
+        out = compiled(q, k, v, keep)
+    gc.collect()
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    with hooks:  # fresh copies are made at unpack, in backward
+        got = torch.autograd.grad(out, (q, k, v), w, retain_graph=True)
+        for a, b in zip(got, want[1:]):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        gc.collect()
+        if kind == "keep":
+            got = torch.autograd.grad(out, (q, k, v), w)
+            for a, b in zip(got, want[1:]):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        else:
+            with pytest.raises(va.VarlenAttnError, match="new tensor each time"):
+                torch.autograd.grad(out, (q, k, v), w)
 
 
 def test_a_whole_model_compiled_around_compiled_blocks_reads_the_host_once_per_step(monkeypatch):

@@ -83,25 +83,36 @@ _refuse_compile = _compiler_disabled(_raise_compile_unsupported,
 
 
 # The one registry: op-output handle -> (plan, route, mask, options, convention) of an attention
-# call (the mask as _kept_mask keeps it), or a forward's scope (forward_op), while the handle tensor
-# (saved for backward) lives. The backward reads its call's entry only (attention_backward_op).
-# Saved-tensor hooks that copy what autograd saves (offloading:
-# ``save_on_cpu(pin_memory=True)``) hand the backward a copy of the handle, and the original dies
-# with the forward. So an entry made, in training, under saved-tensor hooks other than torch's
-# checkpoint's (which keep the handle or recompute it) is marked ``keep``: when its handle dies it
-# is kept under its number, which the copy holds. An attention call's entry waits in ``_kept``
-# until a backward finds it, then lives as long as the copy that backward got (a second backward
-# through a retained graph finds it again); at most _KEPT_MAX wait (the oldest go first: training
-# forwards under such hooks whose backward never runs). A forward's scope, which the recomputation
-# of its checkpointed blocks reads, waits in ``_kept_scopes``, the last _KEPT_SCOPES of them. What
-# they hold are plans a forward shares between its layers (a few per step), and on masked SDPA the
-# mask's copy.
+# call (the mask as _kept_mask keeps it), or a forward's scope (forward_op), while a handle of it
+# lives. The backward reads its call's entry only (attention_backward_op). Saved-tensor hooks that
+# copy what autograd saves (offloading: ``save_on_cpu(pin_memory=True)``) hand the backward a copy
+# of the handle, and the original may die with the forward. So an entry made, where a backward may
+# follow, under saved-tensor hooks other than torch's checkpoint's (which keep the handle or
+# recompute it) is marked ``keep``: when its last handle dies before a backward got a copy, it
+# waits (``_waiting``) under its number, which the copies hold. A backward that gets a copy adopts
+# it: the entry lives as long as its original or an adopted copy does (a second backward through a
+# retained graph gets the same copy from save_on_cpu-like hooks). At most _KEPT_MAX entries and
+# _KEPT_BYTES of kept masks wait, the oldest going first (training forwards under such hooks whose
+# backward never runs, and the forward calls of checkpointed bodies dynamo traced, whose backward
+# takes the recomputation's entries); a forward's scope, which the recomputation of its
+# checkpointed blocks reads, waits among the last _KEPT_SCOPES. Entries share their forward's
+# plans: a few per step.
+
+
+class _Record:
+    __slots__ = ("entry", "keep", "holders", "adopted", "original", "copies")
+
+    def __init__(self, entry, keep: bool, original: Tensor):
+        self.entry, self.keep, self.holders, self.adopted = entry, keep, 1, False
+        self.original, self.copies = weakref.ref(original), []
+
+
 _ids = itertools.count(1)
-_calls: dict[int, tuple] = {}  # number -> (entry, keep)
-_kept: "OrderedDict[int, tuple]" = OrderedDict()
-_kept_scopes: "OrderedDict[int, Scope]" = OrderedDict()
-_adopted: set[int] = set()  # kept entries tied to the copy of the handle a backward got
+_records: dict[int, _Record] = {}
+_waiting: "OrderedDict[int, int]" = OrderedDict()  # number -> bytes of its kept mask
+_kept_scopes: "OrderedDict[int, None]" = OrderedDict()
 _KEPT_MAX = 1024
+_KEPT_BYTES = 1 << 30
 _KEPT_SCOPES = 4
 _lock = threading.RLock()  # also taken by the handles' finalizers, which a collection may run anywhere
 
@@ -110,46 +121,49 @@ def _hold(entry, keep: bool = False) -> Tensor:
     ident = next(_ids)
     t = torch.tensor([ident], dtype=torch.int64)
     with _lock:
-        _calls[ident] = (entry, keep)
+        _records[ident] = _Record(entry, keep, t)
     weakref.finalize(t, _release, ident)
     return t
 
 
 def _release(ident: int) -> None:
+    """A handle of entry ``ident`` (its original or an adopted copy) died."""
     with _lock:
-        entry, keep = _calls.pop(ident, (None, False))
-        if keep:
-            kept, most = (_kept_scopes, _KEPT_SCOPES) if isinstance(entry, Scope) else (_kept, _KEPT_MAX)
-            kept[ident] = entry
-            while len(kept) > most:
-                _adopted.discard(kept.popitem(last=False)[0])
-
-
-def _drop_kept(ident: int) -> None:
-    with _lock:
-        _kept.pop(ident, None)
-        _adopted.discard(ident)
+        rec = _records.get(ident)
+        if rec is None:
+            return
+        rec.holders -= 1
+        if rec.holders > 0:
+            return
+        if not rec.keep or rec.adopted:
+            del _records[ident]
+        elif isinstance(rec.entry, Scope):
+            _kept_scopes[ident] = None
+            while len(_kept_scopes) > _KEPT_SCOPES:
+                _records.pop(_kept_scopes.popitem(last=False)[0], None)
+        else:
+            mask = rec.entry[2]
+            _waiting[ident] = 0 if mask is None else mask.numel() * mask.element_size()
+            while len(_waiting) > _KEPT_MAX or sum(_waiting.values()) > _KEPT_BYTES:
+                _records.pop(_waiting.popitem(last=False)[0], None)
 
 
 def _held(handle: Tensor, backward: bool = False):
-    """The entry under ``handle``, also where the handle is a copy whose original is gone and the
-    entry was kept; else None. ``backward``: an attention backward's lookup, which ties a kept
-    entry to the handle it got (the copy)."""
+    """The entry under ``handle`` (the original or a copy), while it lives or waits; else None.
+    ``backward``: an attention backward's lookup, which adopts a copy (see above)."""
     ident = int(handle.item())
     with _lock:
-        entry, keep = _calls.get(ident, (None, False))
-        if entry is not None:
-            if backward and keep:
-                _calls[ident] = (entry, False)  # found by its own handle: nothing to keep at its death
-            return entry
-        if not backward:
-            return _kept_scopes.get(ident)
-        entry = _kept.get(ident)
-        if entry is not None and ident not in _adopted:
-            _adopted.add(ident)
-            _kept.move_to_end(ident)
-            weakref.finalize(handle, _drop_kept, ident)
-        return entry
+        rec = _records.get(ident)
+        if rec is None:
+            return None
+        if (backward and rec.keep and rec.original() is not handle
+                and not any(c() is handle for c in rec.copies)):
+            rec.holders += 1
+            rec.adopted = True
+            rec.copies.append(weakref.ref(handle))
+            _waiting.pop(ident, None)
+            weakref.finalize(handle, _release, ident)
+        return rec.entry
 
 
 _CHECKPOINT_HOOKS = ("_checkpoint_hook.", "_recomputation_hook.")
@@ -203,18 +217,19 @@ _NOT_CAPTURABLE = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cud
 
 
 @torch.library.custom_op(f"varlen_attn::forward{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
-def forward_op(masks: list[Tensor]) -> Tensor:
+def forward_op(masks: list[Tensor], training: bool) -> Tensor:
     """A new scope for one forward of a whole model compiled, its mask inputs ``masks`` as its
-    roots (keyed by position), under the handle returned."""
+    roots (keyed by position), under the handle returned. ``training``: traced with grad enabled
+    (a backward, and in it a recomputation that reads the scope, may follow)."""
     # Plans only: the policy travels with each attention op, no hook runs on this scope.
     scope = Scope(Policy())
     for i, t in enumerate(masks):
         scope.add_root(str(i), t)
-    return _hold(scope, _hooks_may_copy())
+    return _hold(scope, training and _hooks_may_copy())
 
 
 @forward_op.register_fake
-def _(masks):
+def _(masks, training):
     return torch.empty(1, dtype=torch.int64)
 
 
@@ -224,7 +239,7 @@ def forward_scope(masks: list[Tensor]) -> Tensor | None:
     (no mask input; a graph CUDA graphs capture, whose attention plans inside the graph)."""
     if not masks or (masks[0].device.type in CAPTURED_DEVICES and _cuda_graphs_traced()):
         return None
-    return forward_op(masks)
+    return forward_op(masks, torch.is_grad_enabled())
 
 
 def _scope_of(forward: Tensor | None, thread: bool = True) -> Scope | None:
@@ -325,10 +340,13 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
         entry = _held(handle, backward=True)
         if entry is None:
             raise VarlenAttnError(
-                "the backward of a compiled varlen_attn call found no entry of its forward: under "
-                f"saved-tensor hooks that copy what autograd saves, at most {_KEPT_MAX} attention calls "
-                "wait for their backward, and this one was dropped as the oldest; run the backward of a "
-                "forward before that many more attention calls run under the hooks")
+                "the backward of a compiled varlen_attn call found no entry of its forward. Under "
+                "saved-tensor hooks that copy what autograd saves, the entries of calls whose handle "
+                f"the hooks copied wait for their backward, at most {_KEPT_MAX} calls and "
+                f"{_KEPT_BYTES >> 20} MiB of kept masks, the oldest dropped first: run each forward's "
+                "backward before that many more attention calls; and a second backward through a "
+                "retained graph finds the entry while the copy of the handle the first backward got "
+                "lives, which hooks whose unpack makes a new tensor each time do not keep")
         plan, r, mask4, opts, convention = entry
         if r.fused:
             return _contiguous(execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
