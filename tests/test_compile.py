@@ -781,7 +781,8 @@ class _CopyKeepingOriginals(torch.autograd.graph.saved_tensors_hooks):
 @pytest.mark.parametrize("kind", ["keep", "fresh"])
 def test_a_retained_graph_under_hooks_that_copy_at_unpack_or_keep_the_original(kind):
     """Two backwards through a retained graph under hooks that hand the backward a copy while
-    the original lives (``keep``: the copy is adopted, the second backward finds the entry) or
+    the original lives until after the first (``keep``: the copy is adopted, the second backward
+    finds the entry) or
     a new copy at every unpack (``fresh``: the first backward's copy dies with it, and the second
     backward says so rather than compute anything)."""
     import gc
@@ -802,6 +803,7 @@ def test_a_retained_graph_under_hooks_that_copy_at_unpack_or_keep_the_original(k
         got = torch.autograd.grad(out, (q, k, v), w, retain_graph=True)
         for a, b in zip(got, want[1:]):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        hooks.originals.clear()  # the original handle dies after the first backward
         gc.collect()
         if kind == "keep":
             got = torch.autograd.grad(out, (q, k, v), w)
