@@ -23,9 +23,10 @@ import json
 import math
 import subprocess
 import sys
-import time
 
 import torch
+
+import _common as C
 
 CASES = {
     # name: (lengths_q, lengths_k, heads_q, heads_k, head_dim, dtype)
@@ -76,20 +77,6 @@ def _cudnn(q, k, v, cq, ck, mq, mk, scale, dout):
     return out, grads
 
 
-def _median_ms(fn, reps=30, warmup=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
-
-
 def run_case(name):
     lq, lk, hq, hk, d, dtype = CASES[name]
     lk = lk or lq
@@ -121,7 +108,8 @@ def run_case(name):
             result[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
     if name in TIMED and "error" not in result["cudnn"]:
         for label, fn in (("fa2", _fa2), ("cudnn", _cudnn)):
-            result[label]["fwd_bwd_ms"] = _median_ms(lambda fn=fn: fn(q, k, v, cq, ck, mq, mk, scale, dout))
+            result[label]["fwd_bwd_ms"] = C.median_ms(lambda fn=fn: fn(q, k, v, cq, ck, mq, mk, scale, dout), dev,
+                                                      warmup=5, reps=30)
         # First call with segment lengths not seen before (a training step's new prompt lengths).
         firsts = {"fa2": [], "cudnn": []}
         for i in range(4):
@@ -133,11 +121,10 @@ def run_case(name):
             do2 = torch.randn_like(q2)
             args = (q2, k2, v2, _cu(lens, dev), _cu(lens_k, dev), max(lens), max(lens_k), scale, do2)
             for label, fn in (("fa2", _fa2), ("cudnn", _cudnn)):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                fn(*args)
-                torch.cuda.synchronize()
-                firsts[label].append(round((time.perf_counter() - t0) * 1e3, 3))
+                C.sync(dev)
+                with C.Stopwatch(dev) as sw:
+                    fn(*args)
+                firsts[label].append(round(sw.ms, 3))
         for label in firsts:
             result[label]["first_call_new_lengths_ms"] = firsts[label]
     return result

@@ -390,8 +390,12 @@ class CopySaved(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, t):
         self.copied += 1
-        # A copy of its storage, so the copy keeps the strides compiled code asserts.
-        return t.new_empty(0).set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+        return copy_keeping_strides(t)
+
+
+def copy_keeping_strides(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s storage viewed as ``t``: the copy keeps the strides compiled code asserts."""
+    return t.new_empty(0).set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
 
 
 class HostReads:

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import varlen_attn as va
-from _testing import IN_GRAPH_OP, CopySaved, HostReads, Recording, assert_model_close
+from _testing import IN_GRAPH_OP, CopySaved, HostReads, Recording, assert_model_close, copy_keeping_strides
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 
@@ -767,13 +767,13 @@ class _CopyKeepingOriginals(torch.autograd.graph.saved_tensors_hooks):
         def pack(t):
             if kind == "keep":
                 self.originals.append(t)
-                return t.new_empty(0).set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+                return copy_keeping_strides(t)
             return t
 
         def unpack(t):
             if kind == "keep":
                 return t
-            return t.new_empty(0).set_(t.untyped_storage().clone(), t.storage_offset(), t.size(), t.stride())
+            return copy_keeping_strides(t)
 
         super().__init__(pack, unpack)
 

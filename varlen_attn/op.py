@@ -100,17 +100,22 @@ _refuse_compile = _compiler_disabled(_raise_compile_unsupported,
 
 
 class _Record:
-    __slots__ = ("entry", "keep", "holders", "adopted", "original", "copies")
+    """An entry and the handles that hold it: its original, then the copies backwards adopted
+    (weak references: the entry lives while one of them does, or waits when ``keep``)."""
+    __slots__ = ("entry", "keep", "handles")
 
     def __init__(self, entry, keep: bool, original: Tensor):
-        self.entry, self.keep, self.holders, self.adopted = entry, keep, 1, False
-        self.original, self.copies = weakref.ref(original), []
+        self.entry, self.keep, self.handles = entry, keep, [weakref.ref(original)]
+
+    @property
+    def adopted(self) -> bool:
+        return len(self.handles) > 1
 
 
 _ids = itertools.count(1)
 _records: dict[int, _Record] = {}
 _waiting: "OrderedDict[int, int]" = OrderedDict()  # number -> bytes of its kept mask
-_kept_scopes: "OrderedDict[int, None]" = OrderedDict()
+_kept_scopes: "OrderedDict[int, int]" = OrderedDict()
 _KEPT_MAX = 1024
 _KEPT_BYTES = 1 << 30
 _KEPT_SCOPES = 4
@@ -130,22 +135,23 @@ def _release(ident: int) -> None:
     """A handle of entry ``ident`` (its original or an adopted copy) died."""
     with _lock:
         rec = _records.get(ident)
-        if rec is None:
-            return
-        rec.holders -= 1
-        if rec.holders > 0:
+        if rec is None or any(h() is not None for h in rec.handles):
             return
         if not rec.keep or rec.adopted:
             del _records[ident]
         elif isinstance(rec.entry, Scope):
-            _kept_scopes[ident] = None
-            while len(_kept_scopes) > _KEPT_SCOPES:
-                _records.pop(_kept_scopes.popitem(last=False)[0], None)
+            _wait(_kept_scopes, ident, 0, _KEPT_SCOPES)
         else:
             mask = rec.entry[2]
-            _waiting[ident] = 0 if mask is None else mask.numel() * mask.element_size()
-            while len(_waiting) > _KEPT_MAX or sum(_waiting.values()) > _KEPT_BYTES:
-                _records.pop(_waiting.popitem(last=False)[0], None)
+            _wait(_waiting, ident, 0 if mask is None else mask.numel() * mask.element_size(), _KEPT_MAX)
+
+
+def _wait(queue: OrderedDict, ident: int, size: int, most: int) -> None:
+    """Entry ``ident`` (``size`` bytes kept) waits in ``queue`` for a backward; the oldest go
+    beyond ``most`` entries or _KEPT_BYTES."""
+    queue[ident] = size
+    while len(queue) > most or sum(queue.values()) > _KEPT_BYTES:
+        _records.pop(queue.popitem(last=False)[0], None)
 
 
 def _held(handle: Tensor, backward: bool = False):
@@ -156,11 +162,8 @@ def _held(handle: Tensor, backward: bool = False):
         rec = _records.get(ident)
         if rec is None:
             return None
-        if (backward and rec.keep and rec.original() is not handle
-                and not any(c() is handle for c in rec.copies)):
-            rec.holders += 1
-            rec.adopted = True
-            rec.copies.append(weakref.ref(handle))
+        if backward and rec.keep and not any(h() is handle for h in rec.handles):
+            rec.handles.append(weakref.ref(handle))
             _waiting.pop(ident, None)
             weakref.finalize(handle, _release, ident)
         return rec.entry
@@ -242,12 +245,12 @@ def forward_scope(masks: list[Tensor]) -> Tensor | None:
     return forward_op(masks, torch.is_grad_enabled())
 
 
-def _scope_of(forward: Tensor | None, thread: bool = True) -> Scope | None:
+def _scope_of(forward: Tensor | None) -> Scope | None:
     """The scope an attention op keeps its plans in: its forward's (``forward``, a handle of
-    :func:`forward_op`) while that lives, else (``thread``) the thread's (eager forwards around
-    compiled blocks)."""
+    :func:`forward_op`) while that lives, else the thread's (eager forwards around compiled
+    blocks)."""
     scope = None if forward is None else _held(forward)
-    return scope if scope is not None or not thread else current_scope()
+    return scope if scope is not None else current_scope()
 
 
 @torch.library.custom_op(f"varlen_attn::attention{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
