@@ -760,6 +760,39 @@ def test_entries_kept_for_copied_handles_are_bounded_and_not_kept_under_checkpoi
     _clear_waiting()
 
 
+def test_masked_sdpa_copies_its_boolean_mask_only_where_a_backward_can_follow(monkeypatch):
+    """A compiled call on masked SDPA keeps a copy of its boolean mask for its backward (a write
+    in place after the call must not reach it), but not in a call traced without grad, which no
+    backward follows: inference paid a copy of every layer's mask."""
+    from varlen_attn import op
+
+    held = []
+    hold = op._hold
+    monkeypatch.setattr(op, "_hold", lambda entry, keep=False: held.append(entry) or hold(entry, keep))
+    g = torch.Generator().manual_seed(2)
+    unpackable = torch.rand(B, 1, S, S, generator=g) > 0.5
+    unpackable[..., 0] = True
+    compiled = torch.compile(lambda q, k, v, mask: va.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+                             fullgraph=True, backend="aot_eager")
+    kept = {}
+    for grad in (False, True):
+        held.clear()
+        q, k, v = (t.transpose(1, 2) for t in _qkv(3))
+        with torch.set_grad_enabled(grad):
+            out = compiled(q, k, v, unpackable)
+        (entry,) = held
+        assert entry[1].impl is None, "the mask was meant not to be packable"
+        kept[grad] = entry[2]
+        if grad:
+            got = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+            want = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, attn_mask=unpackable),
+                                       (q, k, v), torch.ones_like(out))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert kept[False] is op._NOT_KEPT
+    assert torch.equal(kept[True], unpackable) and kept[True].data_ptr() != unpackable.data_ptr()
+
+
 class _CopyKeepingOriginals(torch.autograd.graph.saved_tensors_hooks):
     """Hooks that hand the backward a copy and keep the original alive (``keep``), or that make
     a new copy at every unpack (``fresh``)."""

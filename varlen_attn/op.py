@@ -143,7 +143,7 @@ def _release(ident: int) -> None:
             _wait(_kept_scopes, ident, 0, _KEPT_SCOPES)
         else:
             mask = rec.entry[2]
-            _wait(_waiting, ident, 0 if mask is None else mask.numel() * mask.element_size(), _KEPT_MAX)
+            _wait(_waiting, ident, mask.numel() * mask.element_size() if torch.is_tensor(mask) else 0, _KEPT_MAX)
 
 
 def _wait(queue: OrderedDict, ident: int, size: int, most: int) -> None:
@@ -179,14 +179,22 @@ def _hooks_may_copy() -> bool:
     return hooks is not None and not getattr(hooks[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS)
 
 
-def _kept_mask(plan: VarlenPlan | None, r, mask4: Tensor | None) -> Tensor | None:
+# What an entry keeps of a masked SDPA call's mask where no backward can follow (traced without
+# grad): no copy is made, and a backward that finds this says so (it cannot happen: no graph).
+_NOT_KEPT = "not kept: traced without grad"
+
+
+def _kept_mask(plan: VarlenPlan | None, r, mask4: Tensor | None, training: bool):
     """What the entry keeps of the mask for the backward of a call on route ``r``. A varlen route
     reads its plan only: nothing. Masked SDPA reads the mask: a boolean one (or a float 0/1 mask
     read as one) as a copy made at the call, as SDPA's backward reads a conversion made at its
     call, so a write in place after the call does not reach it; a float bias is saved by the op's
-    autograd instead, as SDPA saves it (:func:`_setup_context`), and not kept here."""
+    autograd instead, as SDPA saves it (:func:`_setup_context`), and not kept here. A call traced
+    without grad (``training`` False: inference, a frozen model) has no backward: no copy."""
     if r.impl is not None or mask4 is None:
         return None
+    if not training:
+        return _NOT_KEPT
     if plan is not None and plan.read_as_bool:
         return execution.sdpa_mask(plan, mask4)  # a new tensor
     return mask4.clone() if mask4.dtype == torch.bool else None
@@ -270,7 +278,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
         r, (out, lse_buf) = execution.rerouted(
             backend, r, lambda: _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model),
             lambda r: _op_forward(q, k, v, plan, r, mask4, opts))
-        entry = (plan, r, _kept_mask(plan, r, mask4), opts, convention)
+        entry = (plan, r, _kept_mask(plan, r, mask4, training), opts, convention)
         return out.contiguous(), lse_buf, _hold(entry, training and _hooks_may_copy())
 
 
@@ -351,6 +359,9 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
                 "retained graph finds the entry while the copy of the handle the first backward got "
                 "lives, which hooks whose unpack makes a new tensor each time do not keep")
         plan, r, mask4, opts, convention = entry
+        if mask4 is _NOT_KEPT:
+            raise VarlenAttnError("the backward of a compiled varlen_attn call traced without grad "
+                                  "(no mask was kept for one): compile the call with grad enabled")
         if r.fused:
             return _contiguous(execution.backward_native(dout, q, k, v, out, lse[:, : plan.total_q].contiguous(),
                                                          plan, r, opts))
