@@ -38,6 +38,7 @@ import functools
 
 import pytest
 import torch
+import torch.utils.checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -258,6 +259,47 @@ def test_qwen_gradient_checkpointing(backend):
     # forward and recomputation both ran on varlen
     assert s["backends"] == {backend: 2 * QWEN_ATTN_LAYERS} and s["fallbacks"] == {}, s
     assert_model_close(got, ref, baseline=baseline, what=f"qwen/checkpointing/{backend}")
+
+
+def _checkpoint_forward(module, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(module.forward, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpoint_if_training(module, *args, **kwargs):
+    assert isinstance(module, torch.nn.Module) and module.__class__.__name__.endswith("Block"), type(module)
+    if not module.training:
+        return module(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False, **kwargs)
+
+
+def _checkpoint_reentrant(module, *args, **kwargs):
+    return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=True, **kwargs)
+
+
+@pytest.mark.parametrize("func", [_checkpoint_forward, _checkpoint_if_training, _checkpoint_reentrant],
+                         ids=["module.forward", "module.training", "reentrant"])
+def test_qwen_with_a_checkpoint_function_of_the_callers_own(func):
+    """``enable_gradient_checkpointing(func)``: diffusers hands ``func`` the block, which it may use
+    as the module it is (``checkpoint(module.forward, ...)``, ``module.training``,
+    ``isinstance``). Enabled, it gets one too (before, a plain function: AttributeError), and the
+    step equals stock's with the same function, one plan per step, the recomputation on varlen."""
+    mask = prefix_keep([5, 2, 0])
+    m = qwen()
+    m.enable_gradient_checkpointing(func)
+    try:
+        want = run_qwen(mask)
+        va.enable_varlen(m, backend="split_sdpa")
+        try:
+            va.reset_stats()
+            got = run_qwen(mask)
+            s = va.stats()
+        finally:
+            va.disable_varlen(m)
+    finally:
+        m.disable_gradient_checkpointing()
+    assert s["plan_builds"] == 1 and s["fallbacks"] == {}, s
+    assert s["backends"] == {"split_sdpa": 2 * QWEN_ATTN_LAYERS}, s
+    assert_model_close(got, want, what=f"qwen/{func.__name__}")
 
 
 @settings(max_examples=10, deadline=None)
