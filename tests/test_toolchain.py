@@ -50,6 +50,41 @@ def test_autocast_mixed_dtypes_run_as_stock_sdpa(case, dtype, entry):
     assert_matches([t.to(dtype) for t in got], ref, [t.to(dtype) for t in stock], dtype)
 
 
+_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["no autocast", "bf16 autocast"])
+@pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.bool])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_dtypes_and_autocast_run_or_refuse_as_stock(dtype, mask_dtype, autocast):
+    """Every pairing of q, k, v and mask dtypes, with and without autocast: the drop-in runs where
+    stock SDPA runs, with stock's output dtype and values, and refuses where it refuses (a float
+    mask must be float32 or the query's dtype). Autocast leaves float64 alone, as the dispatcher
+    does: a float64 model under autocast stays float64 (before, it was cast down, silently)."""
+    import contextlib
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    keep = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)[:, None, None, :]
+    mask = keep if mask_dtype == torch.bool else torch.zeros(keep.shape, dtype=mask_dtype).masked_fill(~keep, -1e4)
+    outcomes = []
+    for fn in (F.scaled_dot_product_attention, va.scaled_dot_product_attention):
+        region = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
+        try:
+            with region:
+                outcomes.append(fn(q, k, v, attn_mask=mask))
+        except (RuntimeError, TypeError) as e:
+            outcomes.append(type(e))
+    stock, ours = outcomes
+    if not isinstance(stock, torch.Tensor):
+        assert ours is va.InputTypeError, (stock, ours)
+        return
+    assert isinstance(ours, torch.Tensor), ours
+    assert ours.dtype == stock.dtype
+    tol = _TOL[stock.dtype]
+    torch.testing.assert_close(ours, stock, rtol=tol, atol=tol)
+
+
 def test_qwen_image_under_autocast_equals_stock():
     """The issue's case: under autocast Qwen-Image reaches SDPA with float32 q, k and a bfloat16
     v. Stock runs; so does the enabled model, as close to a float64 run as stock is."""

@@ -27,17 +27,28 @@ from .scope import Policy, current_scope, resolve_plan
 
 def _autocast(query, key, value, attn_mask):
     """Inside an autocast region the dispatcher runs SDPA in the autocast dtype, casting every
-    floating input, an additive mask included (so a finite ``finfo(float32).min`` becomes
-    ``-inf`` in float16). Qwen-Image and HunyuanVideo reach SDPA there with float32 q, k and a
-    bfloat16 v. Do the same, before the dtype checks, so the results are stock's."""
+    floating input that autocast may cast, an additive mask included (so a finite
+    ``finfo(float32).min`` becomes ``-inf`` in float16); float64 it never casts. Qwen-Image and
+    HunyuanVideo reach SDPA there with float32 q, k and a bfloat16 v. Do the same, before the
+    dtype checks, so the results are stock's (a float64 model under autocast stays float64)."""
     if not isinstance(query, torch.Tensor):
         return query, key, value, attn_mask
     device = query.device.type
     if device not in ("cpu", "cuda") or not torch.is_autocast_enabled(device):
         return query, key, value, attn_mask
     dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-                 for t in (query, key, value, attn_mask))
+    return tuple(t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64
+                 else t for t in (query, key, value, attn_mask))
+
+
+def _check_mask_dtype(attn_mask, query) -> None:
+    """SDPA's rule for a float mask: float32 or the query's dtype (it refuses a float64 mask with
+    float32 queries, or a bfloat16 one with float16 queries), checked where SDPA checks it."""
+    if (isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point()
+            and attn_mask.dtype not in (torch.float32, query.dtype)):
+        raise InputTypeError(
+            f"attn_mask must be bool, float32 or the query's dtype ({query.dtype}), as for "
+            f"F.scaled_dot_product_attention, got dtype {attn_mask.dtype}")
 
 
 def _check_qkv(query, key, value, enable_gqa: bool, layout: str):
@@ -202,6 +213,7 @@ def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, i
         dropout_p = 0.0
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
+    _check_mask_dtype(attn_mask, query)
     scale = _check_options(dropout_p, scale)
     _check_plan(plan, b, sq, sk, query, key)
     if is_causal and sq != sk and plan is not None:
