@@ -541,3 +541,99 @@ def test_one_model_from_several_threads_with_checkpointing():
     va.disable_varlen(model)
     assert {n: m._gradient_checkpointing_func for n, m in model.named_modules()
             if "_gradient_checkpointing_func" in m.__dict__} == funcs_before
+
+
+def _func_cases():
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    keep = (torch.arange(6)[None] < torch.tensor([6, 3])[:, None])[:, None, None, :]
+    keep = keep & (torch.rand(2, 1, 6, 6, generator=g) > 0.3) | torch.eye(6, dtype=torch.bool)
+    keep[1, :, 4] = False  # a query row with no valid key
+    return q, k, v, keep
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap", "jvp", "jacrev", "forward_ad"])
+def test_torch_func_transforms_run_as_stock(transform):
+    """torch.func transforms (and forward-mode AD) through the drop-in: stock SDPA runs them, so
+    does varlen_attn, on masked SDPA with the reason recorded (the packed path's autograd Functions
+    and kernels have no batching or forward-mode rule; before, grad and vmap raised "must override
+    the setup_context staticmethod"). An explicit varlen backend refuses instead of falling back."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import grad, jacrev, jvp, vmap
+
+    q, k, v, keep = _func_cases()
+    t = torch.randn(q.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+
+    def run(fn):
+        att = lambda x: fn(x, k, v, attn_mask=keep)  # noqa: E731
+        if transform == "grad":
+            return grad(lambda x: att(x).pow(2).sum())(q)
+        if transform == "vmap":  # three scaled copies of q, one call each
+            qs = q * torch.arange(1.0, 4.0, dtype=q.dtype).view(3, 1, 1, 1, 1)
+            return vmap(att)(qs)
+        if transform == "jvp":
+            return torch.stack(jvp(att, (q,), (t,)))
+        if transform == "jacrev":
+            return jacrev(lambda x: att(x)[0, 0, :2].sum(-1))(q)
+        with fwAD.dual_level():
+            return fwAD.unpack_dual(att(fwAD.make_dual(q, t))).tangent
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):  # the backend stock's forward-mode AD needs
+        want = run(F.scaled_dot_product_attention)
+        va.reset_stats()
+        got = run(va.scaled_dot_product_attention)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert va.stats()["fallbacks"] and all("torch.func" in r for r in va.stats()["fallbacks"]), va.stats()
+    with pytest.raises(va.BackendUnavailableError, match="torch.func"):
+        run(lambda *a, **kw: va.scaled_dot_product_attention(*a, backend="split_sdpa", **kw))
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64], ids=["bool mask", "float 0/1 mask"])
+def test_torch_func_grad_through_an_enabled_model(mask_dtype):
+    """``torch.func.grad`` over ``functional_call`` of an enabled Chroma (functional training,
+    per-sample gradients): the gradients autograd gives the enabled model (a float 0/1 mask read
+    as boolean, enable_varlen's default; with a bool mask that is stock's)."""
+    from torch.func import functional_call, grad
+
+    from _models import chroma_inputs, loss, step, tiny_chroma
+
+    model = va.enable_varlen(tiny_chroma())
+    inputs = chroma_inputs((5, 2, 0), mask_dtype=mask_dtype)
+    _, want = step(model, inputs)
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    got = grad(lambda p: loss(functional_call(model, p, args=(), kwargs=inputs)[0]))(params)
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)
+    if mask_dtype != torch.bool:  # float_mask="error" cannot read the values inside a transform: it says so
+        with va.varlen(model, float_mask="error"), pytest.raises(va.InputTypeError, match="torch.func"):
+            grad(lambda p: loss(functional_call(model, p, args=(), kwargs=inputs)[0]))(params)
+
+
+def test_per_sample_gradients_with_vmap_of_grad_through_an_enabled_model():
+    """``vmap(grad(...))`` over the batch (per-sample gradients) of an enabled Chroma, each sample
+    a batch of one with its own mask row: the same gradients as stock's."""
+    from torch.func import functional_call, grad, vmap
+
+    from _models import chroma_inputs, loss, tiny_chroma
+
+    inputs = chroma_inputs((5, 2, 0))
+    names = ["hidden_states", "encoder_hidden_states", "timestep", "attention_mask"]
+    results = []
+    for enabled in (False, True):
+        model = tiny_chroma()
+        if enabled:
+            va.enable_varlen(model)
+        params = {n: p.detach() for n, p in model.named_parameters()}
+
+        def one(p, *sample):
+            kw = dict(inputs, **{n: t[None] for n, t in zip(names, sample)})
+            return loss(functional_call(model, p, args=(), kwargs=kw)[0])
+
+        results.append(vmap(grad(one), in_dims=(None, 0, 0, 0, 0))(params, *(inputs[n] for n in names)))
+    want, got = results
+    assert set(got) == set(want)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)

@@ -137,6 +137,30 @@ GRAD_MASK_REASON = ("attn_mask requires grad (a learned bias): masked SDPA runs,
                     "gets its gradient")
 
 
+TRANSFORM_REASON = ("inside a torch.func transform (grad, vmap, jvp, ...) or forward-mode AD: masked "
+                    "SDPA runs, as stock (varlen kernels have no batching or forward-mode rule)")
+
+
+def _transformed() -> bool:
+    """Inside a torch.func transform or a forward-mode AD level: the packed path's autograd
+    Functions and kernels have no vmap or jvp rule, and a plan's host read cannot be batched."""
+    return torch._C._functorch.peek_interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
+
+
+def _float01_read(mask4, policy: Policy):
+    """``mask4`` as the policy reads it, without a host read (a transform cannot batch one): a
+    float mask whose values are all 0 or 1, with at least one 1, becomes a 0 / -inf bias where
+    ``float_mask="bool"`` (as the packed path reads it); other masks stay as they are."""
+    if mask4 is None or not mask4.is_floating_point() or policy.float_mask == "bias":
+        return mask4
+    if policy.float_mask == "error":
+        raise InputTypeError(
+            "float_mask='error' reads a float mask's values on the host, which a torch.func transform "
+            "cannot batch: pass a bool mask (True = keep), or choose float_mask='bool' or 'bias'")
+    is01 = ((mask4 == 0) | (mask4 == 1)).all() & (mask4 == 1).any()
+    return torch.where(is01, torch.zeros_like(mask4).masked_fill(mask4 == 0, float("-inf")), mask4)
+
+
 def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
              policy: Policy, forward: torch.Tensor | None = None) -> torch.Tensor:
     """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced
@@ -150,6 +174,11 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
         # Packing reads the mask only for its pattern: it would get no gradient. Decided before
         # the eager/traced split (``requires_grad`` is known while tracing), so both agree.
         return execution.run(q, k, v, None, mask4, execution.unpackable(policy, GRAD_MASK_REASON), opts)
+    if not torch.compiler.is_compiling() and _transformed():  # (dynamo traces under an interpreter of its own)
+        if mask4 is None and plan is None and policy.unmasked_is_sdpa:
+            return execution.masked_sdpa(q, k, v, None, opts)
+        r = execution.unpackable(policy, TRANSFORM_REASON)
+        return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)
     if torch.compiler.is_compiling():
         op.refuse_unsupported_compile()
         if mask is None and plan is None and policy.unmasked_is_sdpa:
