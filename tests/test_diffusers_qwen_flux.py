@@ -35,6 +35,8 @@ no mask are bit-exact. A real masking error moves outputs by ~1e-2.
 from __future__ import annotations
 
 import functools
+import inspect
+import weakref
 
 import pytest
 import torch
@@ -265,10 +267,26 @@ def _checkpoint_forward(module, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(module.forward, *args, use_reentrant=False, **kwargs)
 
 
-def _checkpoint_if_training(module, *args, **kwargs):
-    assert isinstance(module, torch.nn.Module) and module.__class__.__name__.endswith("Block"), type(module)
-    if not module.training:
-        return module(*args, **kwargs)
+def _checkpoint_moved(module, *args, **kwargs):
+    # methods of the module that return it (to, train), then the module itself: stock checkpoints it
+    module = module.to(args[0].dtype).train()
+    return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False, **kwargs)
+
+
+_SEEN = weakref.WeakKeyDictionary()
+
+
+def _checkpoint_by_keyword(module, *args, **kwargs):
+    # the block as a key, its arguments bound to their names and passed by keyword
+    _SEEN[module] = True
+    assert isinstance(module, torch.nn.Module)
+    bound = inspect.signature(module.forward).bind(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(module, use_reentrant=False, **bound.arguments)
+
+
+def _checkpoint_casting(module, *args, **kwargs):
+    # the tensor arguments as the function sees them: a bool mask among them, as with stock
+    assert any(isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in args), [type(a) for a in args]
     return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=False, **kwargs)
 
 
@@ -276,13 +294,18 @@ def _checkpoint_reentrant(module, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(module, *args, use_reentrant=True, **kwargs)
 
 
-@pytest.mark.parametrize("func", [_checkpoint_forward, _checkpoint_if_training, _checkpoint_reentrant],
-                         ids=["module.forward", "module.training", "reentrant"])
+@pytest.mark.parametrize("func", [_checkpoint_forward, _checkpoint_moved, _checkpoint_by_keyword, _checkpoint_casting,
+                                  _checkpoint_reentrant],
+                         ids=["module.forward", "module.to().train()", "keywords and identity", "sees its mask",
+                              "reentrant"])
 def test_qwen_with_a_checkpoint_function_of_the_callers_own(func):
-    """``enable_gradient_checkpointing(func)``: diffusers hands ``func`` the block, which it may use
-    as the module it is (``checkpoint(module.forward, ...)``, ``module.training``,
-    ``isinstance``). Enabled, it gets one too (before, a plain function: AttributeError), and the
-    step equals stock's with the same function, one plan per step, the recomputation on varlen."""
+    """``enable_gradient_checkpointing(func)``: diffusers hands ``func`` the block and its
+    arguments, which it may use as it likes (``module.forward``, ``module.to()``, the block as a
+    dict key, arguments by keyword, the mask itself). Enabled, it gets the same (before, a plain
+    function: AttributeError), and the step equals stock's with the same function, with one plan
+    per step; a non-reentrant checkpoint's recomputation runs on varlen too, in the forward's
+    scope, a reentrant one's outside it (on stock SDPA: equal results, as for blocks the caller
+    checkpoints)."""
     mask = prefix_keep([5, 2, 0])
     m = qwen()
     m.enable_gradient_checkpointing(func)
@@ -297,8 +320,9 @@ def test_qwen_with_a_checkpoint_function_of_the_callers_own(func):
             va.disable_varlen(m)
     finally:
         m.disable_gradient_checkpointing()
+    calls = QWEN_ATTN_LAYERS * (1 if func is _checkpoint_reentrant else 2)
     assert s["plan_builds"] == 1 and s["fallbacks"] == {}, s
-    assert s["backends"] == {"split_sdpa": 2 * QWEN_ATTN_LAYERS}, s
+    assert s["backends"] == {"split_sdpa": calls}, s
     assert_model_close(got, want, what=f"qwen/{func.__name__}")
 
 

@@ -53,22 +53,37 @@ def test_autocast_mixed_dtypes_run_as_stock_sdpa(case, dtype, entry):
 _TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.mark.parametrize("autocast", [None, torch.bfloat16], ids=["no autocast", "bf16 autocast"])
+def _through_attention(q, k, v, attn_mask):
+    out = va.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask)
+    return out.transpose(1, 2)
+
+
+@pytest.mark.parametrize("entry", [va.scaled_dot_product_attention, _through_attention], ids=["drop-in", "attention"])
+@pytest.mark.parametrize("bias", ["padding", "random"])
+@pytest.mark.parametrize("autocast", [None, torch.bfloat16, torch.float16], ids=["no autocast", "bf16 autocast",
+                                                                                 "fp16 autocast"])
 @pytest.mark.parametrize("mask_dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.bool])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-def test_dtypes_and_autocast_run_or_refuse_as_stock(dtype, mask_dtype, autocast):
-    """Every pairing of q, k, v and mask dtypes, with and without autocast: the drop-in runs where
-    stock SDPA runs, with stock's output dtype and values, and refuses where it refuses (a float
-    mask must be float32 or the query's dtype). Autocast leaves float64 alone, as the dispatcher
-    does: a float64 model under autocast stays float64 (before, it was cast down, silently)."""
+def test_dtypes_and_autocast_run_or_refuse_as_stock(dtype, mask_dtype, autocast, bias, entry):
+    """Every pairing of q, k, v and mask dtypes, with and without autocast, through both entries,
+    a padding bias (packed) and a random one (masked SDPA): varlen_attn runs where stock SDPA
+    runs, with stock's output dtype and values, and refuses where it refuses (a float mask must be
+    float32 or the query's dtype), whatever the mask's values. Autocast leaves float64 alone, as
+    the dispatcher does: a float64 model under autocast stays float64 (before, it was cast down,
+    silently)."""
     import contextlib
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
     keep = torch.tensor([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)[:, None, None, :]
-    mask = keep if mask_dtype == torch.bool else torch.zeros(keep.shape, dtype=mask_dtype).masked_fill(~keep, -1e4)
+    if mask_dtype == torch.bool:
+        mask = keep
+    elif bias == "padding":
+        mask = torch.zeros(keep.shape, dtype=mask_dtype).masked_fill(~keep, -1e4)
+    else:
+        mask = torch.randn(keep.shape, generator=g, dtype=torch.float64).to(mask_dtype)
     outcomes = []
-    for fn in (F.scaled_dot_product_attention, va.scaled_dot_product_attention):
+    for fn in (F.scaled_dot_product_attention, entry):
         region = torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext()
         try:
             with region:
@@ -601,7 +616,8 @@ def test_torch_func_grad_through_an_enabled_model(mask_dtype):
 
     model = va.enable_varlen(tiny_chroma())
     inputs = chroma_inputs((5, 2, 0), mask_dtype=mask_dtype)
-    _, want = step(model, inputs)
+    # A bool mask: stock's gradients; a float 0/1 one: the enabled model's eager ones (read as bool).
+    _, want = step(tiny_chroma() if mask_dtype == torch.bool else model, inputs)
     params = {n: p.detach() for n, p in model.named_parameters()}
     got = grad(lambda p: loss(functional_call(model, p, args=(), kwargs=inputs)[0]))(params)
     assert set(got) == set(want)
@@ -637,3 +653,50 @@ def test_per_sample_gradients_with_vmap_of_grad_through_an_enabled_model():
     assert set(got) == set(want)
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-9, atol=1e-11, msg=name)
+
+
+def test_a_plan_without_a_mask_inside_a_transform_says_so():
+    """A prebuilt plan and no ``attn_mask`` inside a transform: masked SDPA has no mask to run
+    on, so the call says so (as for an unpackable plan without a mask), rather than compute
+    unmasked attention (what the first form of the transform route did, silently)."""
+    from torch.func import grad
+
+    q, k, v, keep = _func_cases()
+    keep = keep[:, :, :1].expand(2, 1, 6, 6) & keep[:, :, :1].transpose(-1, -2)  # an outer product: packable
+    plan = va.build_plan(keep, convention="torch")
+    with pytest.raises(va.InputValueError, match="pass attn_mask"):
+        grad(lambda x: va.scaled_dot_product_attention(x, k, v, plan=plan).sum())(q)
+    got = grad(lambda x: va.scaled_dot_product_attention(x, k, v, attn_mask=keep, plan=plan).pow(2).sum())(q)
+    want = grad(lambda x: F.scaled_dot_product_attention(x, k, v, attn_mask=keep).pow(2).sum())(q)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_another_threads_dual_level_does_not_reroute_this_threads_calls():
+    """Forward-mode AD's dual level is process-wide: while another thread holds one, this
+    thread's calls (no dual tensors) still pack, and an explicit backend or strict still runs."""
+    import threading
+
+    import torch.autograd.forward_ad as fwAD
+
+    q, k, v, keep = _func_cases()
+    keep = keep[:, :, :1].expand(2, 1, 6, 6) & keep[:, :, :1].transpose(-1, -2)
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold():
+        with fwAD.dual_level():
+            entered.set()
+            leave.wait(30)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        assert entered.wait(30)
+        va.reset_stats()
+        got = va.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+        va.scaled_dot_product_attention(q, k, v, attn_mask=keep, backend="split_sdpa", strict=True)
+        st = va.stats()
+    finally:
+        leave.set()
+        other.join()
+    assert st["fallbacks"] == {} and st["backends"] == {"split_sdpa": 2}, st
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=keep), rtol=1e-10, atol=1e-12)

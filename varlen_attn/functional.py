@@ -141,10 +141,17 @@ TRANSFORM_REASON = ("inside a torch.func transform (grad, vmap, jvp, ...) or for
                     "SDPA runs, as stock (varlen kernels have no batching or forward-mode rule)")
 
 
-def _transformed() -> bool:
-    """Inside a torch.func transform or a forward-mode AD level: the packed path's autograd
-    Functions and kernels have no vmap or jvp rule, and a plan's host read cannot be batched."""
-    return torch._C._functorch.peek_interpreter_stack() is not None or torch.autograd.forward_ad._current_level >= 0
+def _transformed(*tensors) -> bool:
+    """Inside a torch.func transform (this thread's interpreter stack), or ``tensors`` carry
+    forward-mode AD tangents (the dual level is process-wide: another thread's level must not
+    reroute this thread's calls): the packed path's autograd Functions and kernels have no vmap
+    or jvp rule, and a plan's host read cannot be batched."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return True
+    if torch.autograd.forward_ad._current_level < 0:
+        return False
+    unpack = torch.autograd.forward_ad.unpack_dual
+    return any(t is not None and unpack(t).tangent is not None for t in tensors)
 
 
 def _float01_read(mask4, policy: Policy):
@@ -180,10 +187,13 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
             return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA, inside the graph
         return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy,
                             forward=forward)
-    if _transformed():  # eager only: dynamo traces under a functorch interpreter of its own
+    if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
         if mask4 is None and plan is None and policy.unmasked_is_sdpa:
             return execution.masked_sdpa(q, k, v, None, opts)
         r = execution.unpackable(policy, TRANSFORM_REASON)
+        if mask4 is None:
+            raise InputValueError(f"a plan without attn_mask cannot run {TRANSFORM_REASON.split(':')[0]}: "
+                                  "pass attn_mask so masked SDPA can run")
         return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)
     plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                         device=q.device, convention=convention, policy=policy, plan=plan, scope=current_scope())
@@ -313,6 +323,7 @@ def attention(
     """
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bshd")
+    _check_mask_dtype(attn_mask, query)
     scale = _check_options(dropout_p, scale)
     _check_plan(plan, b, sq, sk, query, key)
     return dispatch(query, key, value, attn_mask, convention="model", plan=plan,

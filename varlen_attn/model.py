@@ -24,6 +24,7 @@ import logging
 import threading
 
 import torch
+import torch.utils.checkpoint
 
 from . import _stats
 from ._errors import InputTypeError, describe
@@ -750,52 +751,38 @@ class _Checkpoint:
         # The scope's masks reach the recomputation as they are, not through the checkpoint's saved
         # inputs: saved-tensor hooks that copy what autograd saves (offloading, such as
         # save_on_cpu) would hand it copies, which are neither tracked nor keyed.
+        if not _torch_checkpoint(self.func):
+            # A function of the caller's own (``enable_gradient_checkpointing(func)``) gets what
+            # stock's gets: the block itself and its arguments, to use as it likes (``.to()``,
+            # keywords, identity). A torch.utils.checkpoint inside it takes its recomputation back
+            # into this scope through its frame (hook.adopt_checkpoint), as for blocks the caller
+            # checkpoints.
+            return self.func(block, *args, **kwargs)
+        # The scope's masks reach the recomputation as they are, not through the checkpoint's saved
+        # inputs: saved-tensor hooks that copy what autograd saves (offloading, such as
+        # save_on_cpu) would hand it copies, which are neither tracked nor keyed.
         held = {i: a for i, a in enumerate(args) if _scope_mask(scope, a)}
         held_kw = {name: a for name, a in kwargs.items() if _scope_mask(scope, a)}
         args = tuple(None if i in held else a for i, a in enumerate(args))
         kwargs = {name: a for name, a in kwargs.items() if name not in held_kw}
-        return self.func(_ScopedBlock(block, scope, held, held_kw), *args, **kwargs)
+
+        def run(*a, **kw):  # diffusers' helper calls ``module.__call__``: a function has one
+            a = tuple(held.get(i, x) for i, x in enumerate(a))
+            with active(scope):
+                return block(*a, **kw, **held_kw)
+
+        return self.func(run, *args, **kwargs)
 
 
-class _ScopedBlock:
-    """What the checkpoint function gets in place of the block: the block, as far as the function
-    can tell (its attributes, ``isinstance``; calling it or its ``forward``), but a call of either,
-    in the forward or in the recomputation, enters the forward's scope and gets back the masks
-    :class:`_Checkpoint` held out of the checkpoint's saved inputs. diffusers hands a function
-    given to ``enable_gradient_checkpointing(func)`` the block, which it may use as a module
-    (``checkpoint(module.forward, ...)``, ``module.training``): a plain function there raised."""
-
-    __slots__ = ("_block", "_scope", "_held", "_held_kw")
-
-    def __init__(self, block, scope: Scope, held: dict, held_kw: dict):
-        object.__setattr__(self, "_block", block)
-        object.__setattr__(self, "_scope", scope)
-        object.__setattr__(self, "_held", held)
-        object.__setattr__(self, "_held_kw", held_kw)
-
-    def _run(self, call, args, kwargs):
-        args = tuple(self._held.get(i, x) for i, x in enumerate(args))
-        with active(self._scope):
-            return call(*args, **kwargs, **self._held_kw)
-
-    def __call__(self, *args, **kwargs):
-        return self._run(self._block, args, kwargs)
-
-    def forward(self, *args, **kwargs):
-        return self._run(self._block.forward, args, kwargs)
-
-    @property
-    def __class__(self):  # isinstance(block, nn.Module) and the block's own class hold
-        return type(self._block)
-
-    def __getattr__(self, name):
-        return getattr(self._block, name)
-
-    def __setattr__(self, name, value):
-        setattr(self._block, name, value)
-
-    def __repr__(self):
-        return repr(self._block)
+def _torch_checkpoint(func) -> bool:
+    """``func`` only hands the block to ``torch.utils.checkpoint.checkpoint``, which calls it and
+    nothing else: the one ``enable_gradient_checkpointing()`` sets without a function (diffusers
+    0.42.1: a local function around ``checkpoint(module.__call__, *args, use_reentrant=False)``,
+    known by its name), or that function with keyword options only (``functools.partial``)."""
+    if isinstance(func, functools.partial):
+        return func.func is torch.utils.checkpoint.checkpoint and not func.args
+    return (getattr(func, "__module__", "") or "").startswith("diffusers.") and getattr(
+        func, "__qualname__", "").endswith("enable_gradient_checkpointing.<locals>._gradient_checkpointing_func")
 
 
 def _scope_mask(scope: Scope, value) -> bool:
