@@ -94,6 +94,18 @@ def run_qwen(mask, perm=None, grad=True):
     return out[torch.argsort(perm)], grads
 
 
+def enabled_run(model, backend, run):
+    """``(run(), stats())`` with ``model`` enabled on ``backend`` for the call (stats reset first),
+    disabled again after."""
+    va.enable_varlen(model, backend=backend)
+    try:
+        va.reset_stats()
+        got = run()
+        return got, va.stats()
+    finally:
+        va.disable_varlen(model)
+
+
 def run_flux(mask, perm=None, grad=True, sample=None, text_len=T):
     """As :func:`run_qwen`; ``mask`` goes through ``joint_attention_kwargs["attention_mask"]``.
     ``sample``/``text_len`` run one batch element alone with its prompt cut to ``text_len``."""
@@ -177,13 +189,7 @@ def check_case(model: str, case: str, backend: str):
     run, mask = _case(model, case)  # a fresh mask object: no plan cached from another test
     m = qwen() if model == "qwen" else flux()
     layers = QWEN_ATTN_LAYERS if model == "qwen" else FLUX_ATTN_LAYERS
-    va.enable_varlen(m, backend=backend)
-    try:
-        va.reset_stats()
-        got = run(mask)
-        s = va.stats()
-    finally:
-        va.disable_varlen(m)
+    got, s = enabled_run(m, backend, lambda: run(mask))
     assert "forward" not in m.__dict__  # disable_varlen restored the class forward
 
     if mask is None:
@@ -311,13 +317,7 @@ def test_qwen_with_a_checkpoint_function_of_the_callers_own(func):
     m.enable_gradient_checkpointing(func)
     try:
         want = run_qwen(mask)
-        va.enable_varlen(m, backend="split_sdpa")
-        try:
-            va.reset_stats()
-            got = run_qwen(mask)
-            s = va.stats()
-        finally:
-            va.disable_varlen(m)
+        got, s = enabled_run(m, "split_sdpa", lambda: run_qwen(mask))
     finally:
         m.disable_gradient_checkpointing()
     calls = QWEN_ATTN_LAYERS * (1 if func is _checkpoint_reentrant else 2)
