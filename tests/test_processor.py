@@ -229,6 +229,40 @@ def test_explicit_processor_per_module():
     assert va.stats()["backends"] == {"reference": 2}
 
 
+class _CountingVP(VP):
+    """A subclass of the wrapper with its own ``__init__`` and ``__call__``."""
+
+    def __init__(self, processor, backend=None, strict=False):
+        super().__init__(processor, backend, strict)
+        self.calls = 0
+
+    def __call__(self, attn, *args, **kwargs):
+        self.calls += 1
+        return super().__call__(attn, *args, **kwargs)
+
+
+def test_a_subclass_of_the_wrapper_keeps_its_own_init_and_call():
+    """``VarlenAttnProcessor`` subclassed: the instance is the subclass's (its ``__init__`` runs,
+    its ``__call__`` is called), still mirrors the inner processor's signature, computes as the
+    wrapper, and pickles back to the subclass. Before, ``__new__`` built on VarlenAttnProcessor
+    itself: no ``__init__`` ran and the forward raised AttributeError."""
+    import pickle
+
+    build, make_inputs, _, _ = MODELS["qwen"]
+    model = build()
+    ref = step(model, make_inputs())
+    for block in model.transformer_blocks:
+        block.attn.set_processor(_CountingVP(block.attn.get_processor(), backend="reference"))
+    wrapped = model.transformer_blocks[0].attn.processor
+    assert isinstance(wrapped, _CountingVP) and wrapped.calls == 0
+    assert "encoder_hidden_states_mask" in inspect.signature(wrapped.__call__).parameters
+    va.reset_stats()
+    assert_model_close(step(model, make_inputs()), ref, what="qwen/subclass")
+    assert wrapped.calls == 1 and va.stats()["backends"] == {"reference": 2}
+    copy = pickle.loads(pickle.dumps(wrapped))
+    assert isinstance(copy, _CountingVP) and type(copy).__name__ == type(wrapped).__name__
+
+
 class _WeightedProcessor(torch.nn.Module):
     """A processor with weights (like diffusers' IP-adapter processors)."""
 

@@ -61,7 +61,8 @@ class VarlenAttnProcessor:
         if processor is None or isinstance(processor, type):
             return super().__new__(cls)  # __init__ refuses it
         # diffusers filters call kwargs by the processor's __call__ signature: mirror the inner one.
-        return super().__new__(_processor_class(type(processor)))
+        # Built on ``cls``: a subclass keeps its own __init__ and __call__.
+        return super().__new__(_processor_class(cls, type(processor)))
 
     def __init__(self, processor=None, backend: str | None = None, strict: bool = False):
         if processor is None:
@@ -80,8 +81,9 @@ class VarlenAttnProcessor:
             return self.processor(attn, *args, **kwargs)
 
     def __reduce__(self):
-        # The mirroring subclass is made at run time (not importable): rebuild through the constructor.
-        return VarlenAttnProcessor, (self.processor, self.backend, self.strict)
+        # The mirroring subclass is made at run time (not importable): rebuild through the constructor
+        # of the class it was made for (VarlenAttnProcessor or a subclass of it).
+        return type(self).__dict__.get("_mirrors", type(self)), (self.processor, self.backend, self.strict)
 
     def __repr__(self):
         return (f"VarlenAttnProcessor({getattr(self, 'processor', None)!r}, backend={getattr(self, 'backend', None)!r}, "
@@ -147,11 +149,14 @@ def _attention_modules(model) -> list:
 
 
 @functools.cache
-def _processor_class(inner_cls):
+def _processor_class(cls, inner_cls):
+    """A subclass of ``cls`` (VarlenAttnProcessor or a subclass of it) whose ``__call__`` is
+    ``cls``'s under the signature of ``inner_cls.__call__``, by which diffusers filters the
+    keyword arguments it passes."""
     sig = inspect.signature(inner_cls.__call__)
 
     def __call__(self, attn, *args, **kwargs):
-        return VarlenAttnProcessor.__call__(self, attn, *args, **kwargs)
+        return cls.__call__(self, attn, *args, **kwargs)
 
     __call__.__signature__ = sig
-    return type(f"Varlen{inner_cls.__name__}", (VarlenAttnProcessor,), {"__call__": __call__})
+    return type(f"Varlen{inner_cls.__name__}", (cls,), {"__call__": __call__, "_mirrors": cls})
