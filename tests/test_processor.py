@@ -211,24 +211,6 @@ def test_wrap_a_single_module_or_a_block():
     _assert_originals(model, originals)
 
 
-def test_explicit_processor_per_module():
-    """``VarlenAttnProcessor(processor)`` as before: mirrors the processor's ``__call__``
-    signature (diffusers passes Qwen-Image's ``encoder_hidden_states_mask`` and
-    ``image_rotary_emb`` only to processors that declare them)."""
-    build, make_inputs, _, _ = MODELS["qwen"]
-    model = build()
-    ref = step(model, make_inputs())
-    for block in model.transformer_blocks:
-        block.attn.set_processor(VP(block.attn.get_processor(), backend="reference"))
-    wrapped = model.transformer_blocks[0].attn.processor
-    assert isinstance(wrapped, VP) and type(wrapped).__name__ == "VarlenQwenDoubleStreamAttnProcessor2_0"
-    params = inspect.signature(wrapped.__call__).parameters
-    assert {"encoder_hidden_states_mask", "image_rotary_emb"} <= params.keys()
-    va.reset_stats()
-    assert_model_close(step(model, make_inputs()), ref, what="qwen/explicit")
-    assert va.stats()["backends"] == {"reference": 2}
-
-
 class _CountingVP(VP):
     """A subclass of the wrapper with its own ``__init__`` and ``__call__``."""
 
@@ -241,26 +223,30 @@ class _CountingVP(VP):
         return super().__call__(attn, *args, **kwargs)
 
 
-def test_a_subclass_of_the_wrapper_keeps_its_own_init_and_call():
-    """``VarlenAttnProcessor`` subclassed: the instance is the subclass's (its ``__init__`` runs,
-    its ``__call__`` is called), still mirrors the inner processor's signature, computes as the
-    wrapper, and pickles back to the subclass. Before, ``__new__`` built on VarlenAttnProcessor
-    itself: no ``__init__`` ran and the forward raised AttributeError."""
+@pytest.mark.parametrize("cls", [VP, _CountingVP], ids=["VarlenAttnProcessor", "a subclass"])
+def test_explicit_processor_per_module(cls):
+    """``VarlenAttnProcessor(processor)`` as before: mirrors the processor's ``__call__``
+    signature (diffusers passes Qwen-Image's ``encoder_hidden_states_mask`` and
+    ``image_rotary_emb`` only to processors that declare them), and pickles back to its class.
+    A subclass keeps its own ``__init__`` and ``__call__`` (before, ``__new__`` built on
+    VarlenAttnProcessor itself: no ``__init__`` ran and the forward raised AttributeError)."""
     import pickle
 
     build, make_inputs, _, _ = MODELS["qwen"]
     model = build()
     ref = step(model, make_inputs())
     for block in model.transformer_blocks:
-        block.attn.set_processor(_CountingVP(block.attn.get_processor(), backend="reference"))
+        block.attn.set_processor(cls(block.attn.get_processor(), backend="reference"))
     wrapped = model.transformer_blocks[0].attn.processor
-    assert isinstance(wrapped, _CountingVP) and wrapped.calls == 0
-    assert "encoder_hidden_states_mask" in inspect.signature(wrapped.__call__).parameters
+    assert isinstance(wrapped, cls) and type(wrapped).__name__ == "VarlenQwenDoubleStreamAttnProcessor2_0"
+    params = inspect.signature(wrapped.__call__).parameters
+    assert {"encoder_hidden_states_mask", "image_rotary_emb"} <= params.keys()
     va.reset_stats()
-    assert_model_close(step(model, make_inputs()), ref, what="qwen/subclass")
-    assert wrapped.calls == 1 and va.stats()["backends"] == {"reference": 2}
+    assert_model_close(step(model, make_inputs()), ref, what=f"qwen/explicit {cls.__name__}")
+    assert va.stats()["backends"] == {"reference": 2}
+    assert getattr(wrapped, "calls", 1) == 1
     copy = pickle.loads(pickle.dumps(wrapped))
-    assert isinstance(copy, _CountingVP) and type(copy).__name__ == type(wrapped).__name__
+    assert isinstance(copy, cls) and type(copy).__name__ == type(wrapped).__name__
 
 
 class _WeightedProcessor(torch.nn.Module):
