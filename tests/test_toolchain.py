@@ -558,12 +558,16 @@ def test_one_model_from_several_threads_with_checkpointing():
             if "_gradient_checkpointing_func" in m.__dict__} == funcs_before
 
 
-def _func_cases():
+def _func_cases(packable: bool = False):
+    """``(q, k, v, keep)``: a random mask with a query row that keeps no key, or (``packable``)
+    the outer product of its first row, which packs."""
     g = torch.Generator().manual_seed(4)
     q, k, v = (torch.randn(2, 2, 6, 8, generator=g, dtype=torch.float64) for _ in range(3))
     keep = (torch.arange(6)[None] < torch.tensor([6, 3])[:, None])[:, None, None, :]
     keep = keep & (torch.rand(2, 1, 6, 6, generator=g) > 0.3) | torch.eye(6, dtype=torch.bool)
     keep[1, :, 4] = False  # a query row with no valid key
+    if packable:
+        keep = keep[:, :, :1].expand(2, 1, 6, 6) & keep[:, :, :1].transpose(-1, -2)
     return q, k, v, keep
 
 
@@ -661,8 +665,7 @@ def test_a_plan_without_a_mask_inside_a_transform_says_so():
     unmasked attention (what the first form of the transform route did, silently)."""
     from torch.func import grad
 
-    q, k, v, keep = _func_cases()
-    keep = keep[:, :, :1].expand(2, 1, 6, 6) & keep[:, :, :1].transpose(-1, -2)  # an outer product: packable
+    q, k, v, keep = _func_cases(packable=True)
     plan = va.build_plan(keep, convention="torch")
     with pytest.raises(va.InputValueError, match="pass attn_mask"):
         grad(lambda x: va.scaled_dot_product_attention(x, k, v, plan=plan).sum())(q)
@@ -678,8 +681,7 @@ def test_another_threads_dual_level_does_not_reroute_this_threads_calls():
 
     import torch.autograd.forward_ad as fwAD
 
-    q, k, v, keep = _func_cases()
-    keep = keep[:, :, :1].expand(2, 1, 6, 6) & keep[:, :, :1].transpose(-1, -2)
+    q, k, v, keep = _func_cases(packable=True)
     entered, leave = threading.Event(), threading.Event()
 
     def hold():

@@ -79,10 +79,7 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
     elif opts.causal and not (plan.self_aligned or (plan.q_identity and plan.k_identity)):
         reason = "causal with queries and keys in different segment positions"
     if reason is not None:
-        if mask4 is None:
-            refuse_unpackable(policy, reason)
-            raise InputValueError(f"plan is not packable ({reason}); pass attn_mask so SDPA can run")
-        return unpackable(policy, reason)
+        return unpackable(policy, reason, mask4)
     name = policy.backend
     if name == SDPA:
         return Route(None)
@@ -134,10 +131,13 @@ def refuse_unpackable(policy, reason: str) -> None:
         raise BackendUnavailableError(f"backend {policy.backend!r} needs a packable mask: {reason}")
 
 
-def unpackable(policy, reason: str) -> Route:
+def unpackable(policy, reason: str, mask4: torch.Tensor | None) -> Route:
     """The route of a call whose mask cannot be packed: masked SDPA, the reason recorded as a
-    fallback under ``auto``; raises under ``strict`` or an explicit varlen backend."""
+    fallback under ``auto``; raises under ``strict`` or an explicit varlen backend, and where the
+    call has a plan but no mask (``mask4`` None: nothing for SDPA to run on)."""
     refuse_unpackable(policy, reason)
+    if mask4 is None:
+        raise InputValueError(f"plan is not packable ({reason}); pass attn_mask so SDPA can run")
     return Route(None, reason if policy.backend == "auto" else None)
 
 

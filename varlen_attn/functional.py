@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from . import execution, op
 from ._errors import BackendUnavailableError, InputTypeError, InputValueError, describe
 from .execution import Options
-from .plan import VarlenPlan
+from .plan import VarlenPlan, read_float01_as_bool
 from .scope import Policy, current_scope, resolve_plan
 
 
@@ -156,16 +156,15 @@ def _transformed(*tensors) -> bool:
 
 def _float01_read(mask4, policy: Policy):
     """``mask4`` as the policy reads it, without a host read (a transform cannot batch one): a
-    float mask whose values are all 0 or 1, with at least one 1, becomes a 0 / -inf bias where
-    ``float_mask="bool"`` (as the packed path reads it); other masks stay as they are."""
-    if mask4 is None or not mask4.is_floating_point() or policy.float_mask == "bias":
+    float 0/1 mask becomes a 0 / -inf bias where ``float_mask="bool"``, decided on the device
+    (:func:`~varlen_attn.plan.read_float01_as_bool`, as plans read it); other masks stay as they are."""
+    if not mask4.is_floating_point() or policy.float_mask == "bias":
         return mask4
     if policy.float_mask == "error":
         raise InputTypeError(
             "float_mask='error' reads a float mask's values on the host, which a torch.func transform "
             "cannot batch: pass a bool mask (True = keep), or choose float_mask='bool' or 'bias'")
-    is01 = ((mask4 == 0) | (mask4 == 1)).all() & (mask4 == 1).any()
-    return torch.where(is01, torch.zeros_like(mask4).masked_fill(mask4 == 0, float("-inf")), mask4)
+    return read_float01_as_bool(mask4)[0]
 
 
 def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
@@ -180,7 +179,7 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
     if mask4 is not None and mask.requires_grad and torch.is_grad_enabled():
         # Packing reads the mask only for its pattern: it would get no gradient. Decided before
         # the eager/traced split (``requires_grad`` is known while tracing), so both agree.
-        return execution.run(q, k, v, None, mask4, execution.unpackable(policy, GRAD_MASK_REASON), opts)
+        return execution.run(q, k, v, None, mask4, execution.unpackable(policy, GRAD_MASK_REASON, mask4), opts)
     if torch.compiler.is_compiling():
         op.refuse_unsupported_compile()
         if mask is None and plan is None and policy.unmasked_is_sdpa:
@@ -190,10 +189,7 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
     if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
         if mask4 is None and plan is None and policy.unmasked_is_sdpa:
             return execution.masked_sdpa(q, k, v, None, opts)
-        r = execution.unpackable(policy, TRANSFORM_REASON)
-        if mask4 is None:
-            raise InputValueError(f"a plan without attn_mask cannot run {TRANSFORM_REASON.split(':')[0]}: "
-                                  "pass attn_mask so masked SDPA can run")
+        r = execution.unpackable(policy, TRANSFORM_REASON, mask4)
         return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)
     plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
                         device=q.device, convention=convention, policy=policy, plan=plan, scope=current_scope())

@@ -748,9 +748,6 @@ class _Checkpoint:
             return self.func(block, *args, **kwargs)
         if scope.checkpoint_mask is not None and isinstance(block, torch.nn.Module):
             args = _restore_mask(block, args, kwargs, scope.checkpoint_mask)
-        # The scope's masks reach the recomputation as they are, not through the checkpoint's saved
-        # inputs: saved-tensor hooks that copy what autograd saves (offloading, such as
-        # save_on_cpu) would hand it copies, which are neither tracked nor keyed.
         if not _torch_checkpoint(self.func):
             # A function of the caller's own (``enable_gradient_checkpointing(func)``) gets what
             # stock's gets: the block itself and its arguments, to use as it likes (``.to()``,

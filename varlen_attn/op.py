@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import itertools
 import sys
-from collections import OrderedDict
 import threading
 import weakref
+from collections import OrderedDict
 from typing import Optional
 
 import torch
