@@ -8,6 +8,11 @@ Messages name the argument, what was expected and what was received.
 
 from __future__ import annotations
 
+import numbers
+import operator
+
+import torch
+
 
 class VarlenAttnError(Exception):
     """Base class of every error raised by varlen_attn."""
@@ -38,7 +43,45 @@ class KernelRefusedError(BackendUnavailableError):
 
 def describe(x: object) -> str:
     """Short description of a received value for error messages."""
-    shape = getattr(x, "shape", None)
-    if shape is not None and hasattr(x, "dtype"):
-        return f"tensor of shape {tuple(shape)}, dtype {x.dtype}, device {x.device}"
+    if isinstance(x, torch.Tensor):
+        return f"tensor of shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
     return f"{type(x).__name__} {x!r}"
+
+
+# Argument checks shared by every entry, with the conversions torch's own argument parser makes
+# for SDPA's ``float``, ``int`` and ``bool`` parameters (numpy scalars and 0-d tensors included).
+
+def check_size(name: str, value: object, minimum: int = 0) -> int:
+    """An int (or numpy integer, 0-d integer tensor) >= ``minimum``; not a bool."""
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        n = operator.index(value)
+    except TypeError:
+        raise InputTypeError(f"{name} must be an int, got {describe(value)}") from None
+    if n < minimum:
+        raise InputValueError(f"{name} must be >= {minimum}, got {n}")
+    return n
+
+
+def check_bool(name: str, value: object) -> bool:
+    """A bool, as SDPA's ``is_causal`` and ``enable_gqa`` take it: not None, 1 or a numpy bool."""
+    if isinstance(value, bool):
+        return value
+    raise InputTypeError(f"{name} must be a bool, got {describe(value)}")
+
+
+def as_real(name: str, value: object, expected: str = "a float or a 0-d tensor"):
+    """A real number as SDPA's ``float`` parameters take it: a Python or numpy int or float, or
+    a 0-d real tensor that needs no gradient (read once on the host, as SDPA reads it). Python
+    numbers come back as they are (what dynamo traces, symbolic floats included)."""
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and not value.is_complex():
+            if value.requires_grad:  # SDPA refuses it too: its float parameters are not differentiable
+                raise InputTypeError(f"{name} must not require grad (SDPA takes it as a number), got {describe(value)}")
+            return float(value)
+    elif isinstance(value, numbers.Real):  # numpy's floats and ints
+        return float(value)
+    raise InputTypeError(f"{name} must be {expected}, got {describe(value)}")

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from . import execution, op
-from ._errors import BackendUnavailableError, InputTypeError, InputValueError, describe
+from ._errors import BackendUnavailableError, InputTypeError, InputValueError, as_real, check_bool, describe
 from .execution import Options
 from .plan import VarlenPlan, read_float01_as_bool
 from .scope import Policy, current_scope, resolve_plan
@@ -93,18 +93,14 @@ def _check_qkv(query, key, value, enable_gqa: bool, layout: str):
     return b, sq, sk, hq, hk
 
 
-def _check_options(dropout_p, scale):
-    """Validate; returns ``scale`` as a float or None. SDPA also takes a 0-d tensor (read once
-    on the host, as SDPA reads it)."""
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise InputValueError(f"dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if isinstance(scale, torch.Tensor) and scale.dim() == 0 and not scale.is_complex():
-        if scale.requires_grad:  # SDPA refuses it too (its scale is a double, not differentiable)
-            raise InputTypeError(f"scale must not require grad (SDPA takes it as a number), got {describe(scale)}")
-        return float(scale)
-    if scale is not None and not isinstance(scale, (int, float)):
-        raise InputTypeError(f"scale must be a float, a 0-d tensor or None, got {describe(scale)}")
-    return scale
+def _check_options(dropout_p, scale, is_causal, enable_gqa):
+    """Validate SDPA's options as its argument parser does; returns ``(dropout_p, scale,
+    is_causal, enable_gqa)`` as float, float or None, bool, bool."""
+    dropout_p = as_real("dropout_p", dropout_p)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise InputValueError(f"dropout_p must be in [0, 1], got {dropout_p!r}")
+    return (dropout_p, None if scale is None else as_real("scale", scale, "a float, a 0-d tensor or None"),
+            check_bool("is_causal", is_causal), check_bool("enable_gqa", enable_gqa))
 
 
 def _sdpa_takes_mask_with_causal() -> bool:
@@ -172,9 +168,11 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
     """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced
     (``forward``: the handle of the traced forward of a whole model compiled, ``op.forward_op``)."""
     mask4 = execution.mask4_of(mask, q, k, convention)  # a view; also validates the mask's shape
-    if q.is_meta or q.numel() == 0 or k.numel() == 0 or (opts.scale is not None and not math.isfinite(opts.scale)):
-        # No data (meta tensors: shape propagation for init-on-meta tooling), no tokens, or a
-        # non-finite scale: nothing to pack; SDPA gives the shapes, the empty or zero results, the NaNs.
+    if (q.is_meta or q.numel() == 0 or k.numel() == 0 or (opts.scale is not None and not math.isfinite(opts.scale))
+            or opts.dropout_p == 1.0):
+        # No data (meta tensors: shape propagation for init-on-meta tooling), no tokens, a
+        # non-finite scale, or every weight dropped: nothing to pack; SDPA gives the shapes, the
+        # empty or zero results, the NaNs.
         return execution.masked_sdpa(q, k, v, mask4, opts)
     if mask4 is not None and mask.requires_grad and torch.is_grad_enabled():
         # Packing reads the mask only for its pattern: it would get no gradient. Decided before
@@ -246,10 +244,10 @@ def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, i
     SubgraphTracer"). An explicit None is refused, as SDPA refuses it."""
     if dropout_p is _NO_DROPOUT:
         dropout_p = 0.0
+    dropout_p, scale, is_causal, enable_gqa = _check_options(dropout_p, scale, is_causal, enable_gqa)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
     _check_mask_dtype(attn_mask, query)
-    scale = _check_options(dropout_p, scale)
     _check_plan(plan, b, sq, sk, query, key)
     if is_causal and sq != sk and plan is not None:
         # SDPA's causal part is top-left aligned; a plan packs bottom-right-aligned causal segments.
@@ -317,10 +315,10 @@ def attention(
     Equivalent PyTorch: ``F.scaled_dot_product_attention(q.transpose(1, 2), ...,
     attn_mask=<mask as [B, 1, 1|Sq, Sk]>).transpose(1, 2)``.
     """
+    dropout_p, scale, is_causal, enable_gqa = _check_options(dropout_p, scale, is_causal, enable_gqa)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
     b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bshd")
     _check_mask_dtype(attn_mask, query)
-    scale = _check_options(dropout_p, scale)
     _check_plan(plan, b, sq, sk, query, key)
     return dispatch(query, key, value, attn_mask, convention="model", plan=plan,
                     opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=Policy.of(backend, strict))

@@ -17,12 +17,10 @@ sequences. Here lengths and indices both come from one boolean mask, so they alw
 
 from __future__ import annotations
 
-import operator
-
 import torch
 
 from . import _stats
-from ._errors import InputTypeError, InputValueError, describe
+from ._errors import InputTypeError, InputValueError, check_size, describe
 from .pack import gather_rows, scatter_rows
 
 # pad_input's index dtypes: the integer dtypes torch's advanced indexing (flash-attn's
@@ -80,19 +78,6 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     return gather_rows(hidden_states.flatten(0, 1), indices), indices, cu, int(max_len), used
 
 
-def _size(name: str, value: object) -> int:
-    """``batch`` / ``seqlen``: an int (or numpy integer, 0-d integer tensor) >= 0."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        n = operator.index(value)
-    except TypeError:
-        raise InputTypeError(f"{name} must be an int, got {describe(value)}") from None
-    if n < 0:
-        raise InputValueError(f"{name} must be >= 0, got {n}")
-    return n
-
-
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """Put packed tokens back: ``[total, ...]`` -> ``[batch, seqlen, ...]``, zeros elsewhere.
 
@@ -109,7 +94,7 @@ def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, se
         raise InputValueError(
             f"indices must have one entry per packed token ({hidden_states.shape[0]}), got {indices.shape[0]}"
         )
-    batch, seqlen = _size("batch", batch), _size("seqlen", seqlen)
+    batch, seqlen = check_size("batch", batch), check_size("seqlen", seqlen)
     # index_copy_ (the scatter) wants int64 on the data's device; flash-attn's indexing takes
     # int32 and CPU indices as well.
     indices = indices.to(device=hidden_states.device, dtype=torch.int64)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _stats
-from ._errors import InputTypeError, InputValueError, NotPackableError, describe
+from ._errors import InputTypeError, InputValueError, NotPackableError, check_bool, check_size, describe
 from .masks import FLAG_NAMES, PADDING_FLAG_NAMES, analyze, canonical_mask, read_padding
 
 # Why a mask cannot be packed, by device flag (masks.FLAG_NAMES, PADDING_FLAG_NAMES): the reason a
@@ -243,6 +243,13 @@ def build_plan(
         InputValueError: NaN or +inf in the mask, or a shape that does not fit.
         NotPackableError: with ``strict=True``, when the mask is not a padding pattern.
     """
+    batch_size, seqlen_q, seqlen_k, num_heads = (
+        n if n is None or (type(n) is int and n >= low) else check_size(name, n, low)
+        for name, n, low in (("batch_size", batch_size, 0), ("seqlen_q", seqlen_q, 0), ("seqlen_k", seqlen_k, 0),
+                             ("num_heads", num_heads, 1)))
+    for name, flag in (("strict", strict), ("float01_as_bool", float01_as_bool), ("cache", cache)):
+        if type(flag) is not bool:
+            check_bool(name, flag)
     if attn_mask is None:
         if batch_size is None or seqlen_q is None:
             raise InputValueError("build_plan(None) needs batch_size and seqlen_q, got None")
@@ -250,13 +257,17 @@ def build_plan(
                          torch.device(device or "cpu"))
     if not isinstance(attn_mask, torch.Tensor):
         raise InputTypeError(f"attn_mask must be a torch.Tensor or None, got {describe(attn_mask)}")
+    if attn_mask.dim() == 0 or attn_mask.shape[-1] == 0:
+        raise InputValueError(f"attn_mask must have a key dim of at least one key, got {describe(attn_mask)}")
+    if attn_mask.is_meta:
+        raise InputValueError(f"attn_mask must hold data (a plan reads its values), got {describe(attn_mask)}")
     if seqlen_k is None:
         seqlen_k = attn_mask.shape[-1]
     if batch_size is None:
         batch_size = _infer_batch(attn_mask, convention, num_heads)
     if seqlen_q is None:
         seqlen_q = attn_mask.shape[-2] if attn_mask.dim() >= 3 and attn_mask.shape[-2] > 1 else seqlen_k
-    float01_as_bool = bool(float01_as_bool) and attn_mask.is_floating_point()
+    float01_as_bool = float01_as_bool and attn_mask.is_floating_point()
     key = (batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool)
     plan = _CACHE.get(attn_mask, key) if cache else None
     if plan is None:
