@@ -459,3 +459,55 @@ def test_flux_2d_mask_matches_stock(backend):
 def test_flux_2d_mask_one_plan_per_forward(backend):
     _, s = _flux_2d_forward(backend)
     assert s["plan_builds"] == 1, s
+
+
+def _cache_configs():
+    from diffusers import FirstBlockCacheConfig, PyramidAttentionBroadcastConfig
+    return {
+        # skips every block after the first on a hit (a transformer block's attention included)
+        "first_block_cache": FirstBlockCacheConfig(threshold=0.5),
+        # returns an attention module's cached output without its forward on every other step
+        "pyramid_attention_broadcast": PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(0, 1000),
+            current_timestep_callback=lambda: 500),
+    }
+
+
+@pytest.mark.parametrize("cache", ["first_block_cache", "pyramid_attention_broadcast"])
+@pytest.mark.parametrize("order", ["cache after enabling", "cache before enabling"])
+def test_qwen_under_diffusers_caches_equals_stock_and_keeps_its_tracking(cache, order, caplog):
+    """diffusers' caches (``model.enable_cache``) skip attention modules on a hit: fewer masked
+    attention calls reach varlen_attn than in the forward its tracking learned from, and nothing
+    ran unseen. Denoising steps equal stock's with the same cache, no warning says that calls
+    "ran stock SDPA", and the forwards keep the tracking they learned (no relearning under the
+    mode, no demotion of "entry")."""
+    config = _cache_configs()[cache]
+    mask = prefix_keep([5, 2, 0])
+    stock_model, model = qwen_model(), qwen_model()
+    if order == "cache before enabling":
+        model.enable_cache(config)
+    va.enable_varlen(model, backend="split_sdpa")
+    if order == "cache after enabling":
+        model.enable_cache(config)
+    stock_model.enable_cache(config)
+    inputs = {"hidden_states": INPUTS["hidden_states"], "encoder_hidden_states": INPUTS["encoder_hidden_states"],
+              "encoder_hidden_states_mask": mask, "img_shapes": [(1, H_IMG, W_IMG)] * B}
+    calls, forwards = [], []
+    try:
+        with torch.no_grad(), caplog.at_level("WARNING", logger="varlen_attn"):
+            for t in (0.9, 0.89, 0.88, 0.87):
+                step_inputs = {**inputs, "timestep": torch.full((B,), t, dtype=torch.float64)}
+                with stock_model.cache_context("cond"):
+                    ref = stock_model(**step_inputs, return_dict=False)[0]
+                va.reset_stats()
+                with model.cache_context("cond"):
+                    got = model(**step_inputs, return_dict=False)[0]
+                s = va.stats()
+                calls.append(sum(s["backends"].values()))
+                forwards.append(s["forwards"])
+                assert_model_close(got, ref, what=f"{cache}, t={t}")
+        assert min(calls) < max(calls) == QWEN_ATTN_LAYERS, calls  # the cache did skip attention
+        assert "ran stock SDPA" not in caplog.text, caplog.text
+        assert forwards[0] == {"mode": 1} and all(f == {"entry": 1} for f in forwards[1:]), forwards
+    finally:
+        va.disable_varlen(model)

@@ -445,7 +445,7 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
             # watches to learn where each attention module's mask work ends.
             _watch(state, (tracking == MODE and bool(roots)) or any(t == ENTRY for t, _ in state.tracking.values()))
     try:
-        out = _run_scoped(state, orig_forward, bound, roots, names, tracking, calls)
+        out = _run_scoped(model, state, orig_forward, bound, roots, names, tracking, calls)
     finally:
         with _running_lock:
             state.running -= 1
@@ -455,7 +455,7 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
 _running_lock = threading.Lock()
 
 
-def _run_scoped(state: _State, orig_forward, bound, roots, names, tracking: str, calls: int):
+def _run_scoped(model, state: _State, orig_forward, bound, roots, names, tracking: str, calls: int):
     scope = Scope(state.policy(), tracking, watching=state.watching and names not in state.no_entry,
                   enclosing_frame=checkpoint_frame())  # a checkpoint around this forward (hook.adopt_checkpoint)
     for (name, sub, given), root in zip(roots, names):
@@ -474,11 +474,13 @@ def _run_scoped(state: _State, orig_forward, bound, roots, names, tracking: str,
         learned = scope.learned() if roots else None
         if learned is not None:
             state.tracking[names] = (learned, scope.masked_calls)
-    elif scope.masked_calls < calls:
+    elif scope.masked_calls < calls and not _may_skip_modules(model):
         # Fewer masked attention calls reached varlen_attn than in the forward this tracking was
         # learned from: some ran stock SDPA unseen (an attention module's forward replaced after
         # enabling, mask code that changed, or under ENTRY a mask made past a module's first
         # submodule call). Say so, and learn again at the next forward (after ENTRY, LOCAL at most).
+        # Not where a diffusers hook may skip modules (a cache, layer skipping): fewer calls are
+        # what its skips look like, and nothing ran then.
         state.tracking.pop(names, None)
         if tracking == ENTRY:
             state.no_entry.add(names)
@@ -487,6 +489,26 @@ def _run_scoped(state: _State, orig_forward, bound, roots, names, tracking: str,
             "forward its mask tracking (%s) was learned from; the others ran stock SDPA. The next "
             "forward follows its masks under the mode again.", scope.masked_calls, calls, tracking)
     return out
+
+
+def _may_skip_modules(model: torch.nn.Module) -> bool:
+    """A diffusers hook in ``model`` may run a module without its forward: one that replaces the
+    forward (``ModelHook.new_forward``; diffusers' caches, such as FirstBlockCache and
+    PyramidAttentionBroadcast, and its layer skipping return without calling it on a hit).
+    Read only after a forward with fewer masked attention calls than expected."""
+    for module in model.modules():
+        registry = module.__dict__.get("_diffusers_hook")
+        hooks = getattr(registry, "hooks", None)
+        if isinstance(hooks, dict) and any(_replaces_forward(h) for h in hooks.values()):
+            return True
+    return False
+
+
+def _replaces_forward(hook) -> bool:
+    for cls in type(hook).__mro__:
+        if "new_forward" in cls.__dict__:
+            return cls.__name__ != "ModelHook" or not cls.__module__.startswith("diffusers.")
+    return False
 
 
 class _Boundary:
