@@ -1216,3 +1216,90 @@ def test_like_factories_key_their_other_tensor_arguments_by_value(how):
         for _ in range(2):
             got, want = model(x, keep.clone())[0], stock(x, keep.clone())[0]
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+class _OwnMaskNet(torch.nn.Module):
+    """Layers of attention modules, called with no mask input: the net makes a key-padding mask
+    itself in every forward (``own=True``, from a factory's output), or none at all, or hands
+    its attention modules a mask through their ``attention_mask`` argument (``handed``)."""
+
+    def __init__(self, layers=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_MaskArgAttention() for _ in range(layers))
+        self.own = False
+        self.handed = None
+
+    def forward(self, x):
+        mask = (torch.arange(x.shape[1]) < x.shape[1] - 2)[None, None, None, :] if self.own else self.handed
+        for layer in self.layers:
+            x = x + layer(x, attention_mask=mask)
+        return x
+
+
+class _MaskArgAttention(torch.nn.Module):
+    def __init__(self, dim=16, heads=2):
+        super().__init__()
+        self.processor = object()
+        self.qkv = torch.nn.Linear(dim, 3 * dim, dtype=torch.float64)
+        self.heads = heads
+
+    def forward(self, x, attention_mask=None):
+        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask).transpose(1, 2).flatten(2)
+
+
+def test_a_forward_with_no_mask_input_follows_nothing_once_it_met_no_mask(monkeypatch):
+    """A model called without its mask (or one with no mask input) has nothing for the mode to
+    follow: after one forward under the mode that met no masked attention call, later ones track
+    nothing (no Python on their torch functions), their SDPA calls stock's own, bitwise equal. A
+    forward that meets a mask all the same (one its attention modules are handed) runs it packed,
+    equal to stock, and sends the next forward back to the mode; a model that makes its own
+    masks in every forward stays under the mode, one plan per forward."""
+    torch.manual_seed(0)
+    model = _OwnMaskNet()
+    x = torch.randn(3, 8, 16, dtype=torch.float64)
+    calls = _hook_calls(monkeypatch)
+
+    def run():
+        va.reset_stats()
+        calls.clear()
+        return model(x), va.stats(), len(calls)
+
+    ref = model(x)
+    va.enable_varlen(model, backend="reference")
+    try:
+        seen = [run() for _ in range(3)]
+        for got, _, _ in seen:
+            assert torch.equal(got, ref)
+        assert [s["forwards"] for _, s, _ in seen] == [{"mode": 1}, {"tracked": 1}, {"tracked": 1}]
+        assert [s["backends"] for _, s, _ in seen] == [{}, {}, {}]
+        assert seen[0][2] > 0 and seen[1][2] == seen[2][2] == 0, [n for _, _, n in seen]  # no Python per op
+
+        keep = torch.ones(3, 1, 1, 8, dtype=torch.bool)
+        keep[0, ..., 5:] = False
+        keep[2, ..., 2:] = False
+        model.handed = keep
+        va.disable_varlen(model)
+        ref_masked = model(x)
+        va.enable_varlen(model, backend="reference")
+        run()  # under the mode again (a new enable): learns nothing from a forward with a mask
+        model.handed = None
+        run()
+        model.handed = keep  # a forward that follows nothing meets a mask
+        got, st, _ = run()
+        assert st["forwards"] == {"tracked": 1} and st["backends"] == {"reference": 3}, st
+        torch.testing.assert_close(got, ref_masked)
+        got, st, _ = run()
+        assert st["forwards"] == {"mode": 1} and st["backends"] == {"reference": 3}, st
+        torch.testing.assert_close(got, ref_masked)
+
+        model.handed, model.own = None, True
+        va.disable_varlen(model)
+        ref_own = model(x)
+        va.enable_varlen(model, backend="reference")
+        for _ in range(3):
+            got, st, _ = run()
+            assert st["forwards"] == {"mode": 1} and st["plan_builds"] == 1, st
+            torch.testing.assert_close(got, ref_own)
+    finally:
+        va.disable_varlen(model)

@@ -31,7 +31,7 @@ from ._errors import InputTypeError, describe
 from .hook import (TrackedMask, VarlenHook, active, adopt_checkpoint, checkpoint_frame, hidden, hidden_scope, hooked,
                    plain, tracked)
 from .op import InGraphDeclined, forward_scope, fullgraph_traced, refuse_unsupported_compile
-from .scope import ENTRY, LOCAL, MODE, AttentionCall, Policy, Scope, current_scope, trace_root
+from .scope import ENTRY, LOCAL, MODE, TRACKED, AttentionCall, Policy, Scope, current_scope, trace_root
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
 
@@ -437,7 +437,7 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     # and learns the answer. Compiled submodules follow theirs inside their graphs either way
     # (_Boundary). Results never depend on it.
     _install_compiled(model, state)
-    tracking, calls = (state.tracking.get(names) if roots else None) or (MODE, 0)
+    tracking, calls = state.tracking.get(names) or (MODE, 0)
     with _running_lock:
         state.running += 1
         if state.running == 1:
@@ -471,9 +471,15 @@ def _run_scoped(model, state: _State, orig_forward, bound, roots, names, trackin
     with active(scope):
         out = orig_forward(*bound.args, **bound.kwargs)
     if tracking == MODE:
-        learned = scope.learned() if roots else None
+        learned = scope.learned() if roots else _learned_without_masks(scope)
         if learned is not None:
             state.tracking[names] = (learned, scope.masked_calls)
+    elif not roots:
+        if scope.masked_calls:
+            # A forward with no mask input that follows nothing met a mask after all (made inside
+            # the model): its calls ran packed, each with a plan by mask object. The next forward
+            # learns under the mode again, which keys such masks by their derivation.
+            state.tracking.pop(names, None)
     elif scope.masked_calls < calls and not _may_skip_modules(model):
         # Fewer masked attention calls reached varlen_attn than in the forward this tracking was
         # learned from: some ran stock SDPA unseen (an attention module's forward replaced after
@@ -489,6 +495,16 @@ def _run_scoped(model, state: _State, orig_forward, bound, roots, names, trackin
             "forward its mask tracking (%s) was learned from; the others ran stock SDPA. The next "
             "forward follows its masks under the mode again.", scope.masked_calls, calls, tracking)
     return out
+
+
+def _learned_without_masks(scope: Scope) -> str | None:
+    """What a forward with no mask input, run under the mode, teaches: where no attention call
+    had a mask (nothing for the mode to follow: a model called without its mask, Flux without
+    one), later such forwards follow nothing (:data:`TRACKED` with no roots). The hook still
+    routes every SDPA call whose mask reaches it, and attention modules still hand their mask
+    arguments on as tracked masks; a forward that meets a mask all the same sends the next one
+    back to the mode. Else None: the mode keys masks the model makes itself (factories)."""
+    return TRACKED if scope.masked_calls == 0 and not scope.plans else None
 
 
 def _may_skip_modules(model: torch.nn.Module) -> bool:
