@@ -1098,7 +1098,8 @@ def test_a_mask_cast_to_itself_in_compiled_layers_keeps_one_plan(how, fresh_dyna
 # Found in review of the changes above: each of these ran on a stale plan (wrong results).
 
 class _MaskArgAttention(torch.nn.Module):
-    """An attention module (it has a ``processor``) taking its mask as an argument."""
+    """An attention module (it has a ``processor``) taking its key-padding mask as an argument
+    (None: no mask)."""
 
     def __init__(self):
         super().__init__()
@@ -1107,7 +1108,8 @@ class _MaskArgAttention(torch.nn.Module):
 
     def forward(self, x, attention_mask=None):
         q, k, v = self.qkv(x).unflatten(-1, (3, 2, -1)).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask[:, None, None, :])
+        mask = None if attention_mask is None else attention_mask[:, None, None, :]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return out.transpose(1, 2).flatten(2)
 
 
@@ -1230,22 +1232,10 @@ class _OwnMaskNet(torch.nn.Module):
         self.handed = None
 
     def forward(self, x):
-        mask = (torch.arange(x.shape[1]) < x.shape[1] - 2)[None, None, None, :] if self.own else self.handed
+        mask = (torch.arange(x.shape[1]) < x.shape[1] - 2).expand(x.shape[:2]) if self.own else self.handed
         for layer in self.layers:
             x = x + layer(x, attention_mask=mask)
         return x
-
-
-class _MaskArgAttention(torch.nn.Module):
-    def __init__(self, dim=16, heads=2):
-        super().__init__()
-        self.processor = object()
-        self.qkv = torch.nn.Linear(dim, 3 * dim, dtype=torch.float64)
-        self.heads = heads
-
-    def forward(self, x, attention_mask=None):
-        q, k, v = self.qkv(x).unflatten(-1, (3, self.heads, -1)).permute(2, 0, 3, 1, 4)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask).transpose(1, 2).flatten(2)
 
 
 def test_a_forward_with_no_mask_input_follows_nothing_once_it_met_no_mask(monkeypatch):
@@ -1275,9 +1265,9 @@ def test_a_forward_with_no_mask_input_follows_nothing_once_it_met_no_mask(monkey
         assert [s["backends"] for _, s, _ in seen] == [{}, {}, {}]
         assert seen[0][2] > 0 and seen[1][2] == seen[2][2] == 0, [n for _, _, n in seen]  # no Python per op
 
-        keep = torch.ones(3, 1, 1, 8, dtype=torch.bool)
-        keep[0, ..., 5:] = False
-        keep[2, ..., 2:] = False
+        keep = torch.ones(3, 8, dtype=torch.bool)
+        keep[0, 5:] = False
+        keep[2, 2:] = False
         model.handed = keep
         va.disable_varlen(model)
         ref_masked = model(x)
