@@ -1,5 +1,7 @@
 """Bad input: one exception family, the argument named, expected and received stated."""
 
+from fractions import Fraction
+
 import numpy as np
 import pytest
 import torch
@@ -78,9 +80,9 @@ def test_not_packable_plan_without_mask_is_an_error():
 _OPTION_VALUES = {
     # what torch's argument parser takes for SDPA's float parameters, what it refuses, and some
     # values in between (numpy scalars, 0-d tensors, bools)
-    "dropout_p": [0.0, 0, np.float32(0.0), np.float64(0.0), torch.tensor(0.0), torch.tensor(0),
+    "dropout_p": [0.0, 0, np.float32(0.0), np.float64(0.0), np.False_, np.array(0.0), Fraction(0), torch.tensor(0.0), torch.tensor(0),
                   None, "0", 1.5, -0.1, 1.0, np.float32(1.0), torch.zeros(1), torch.tensor(0.0, requires_grad=True)],
-    "scale": [0.5, 1, np.float32(0.5), np.int64(2), torch.tensor(0.5), None, "x", torch.ones(1),
+    "scale": [0.5, 1, np.float32(0.5), np.int64(2), np.True_, np.array(0.5), Fraction(1, 2), torch.tensor(0.5), None, "x", torch.ones(1),
               torch.tensor(0.5, requires_grad=True), torch.tensor(1j)],
     "is_causal": [False, True, np.bool_(False), None, 0, 1, 1.0, "yes", torch.tensor(True)],
     "enable_gqa": [False, True, np.bool_(True), None, 0, 1, "no"],

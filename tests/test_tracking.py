@@ -22,6 +22,7 @@ from _models import (PIXART_LATENT, QF_B, QF_H, QF_N, QF_W, SANA_LATENT, SP_T, c
                      flux_model, hunyuan_inputs, hunyuan_model, hunyuan_text_mask, pixart_model, prefix_keep,
                      own_names, qwen_flux_inputs, qwen_model, sana_model, sana_pixart_inputs, step, tiny_chroma)
 from _testing import assert_model_close
+from varlen_attn.model import RECHECK_UNMASKED
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
 
@@ -357,14 +358,22 @@ def test_qwen_pays_the_mode_at_attention_entry_only(monkeypatch):
     assert 0 < entry_calls <= 10 * attention < mode_calls, (counts, attention)
 
 
-def test_an_attention_call_unseen_by_local_tracking_is_reported_and_relearned(caplog):
+@pytest.mark.parametrize("pass_through_hook", [False, True], ids=["", "beside a diffusers hook that never skips"])
+def test_an_attention_call_unseen_by_local_tracking_is_reported_and_relearned(caplog, pass_through_hook):
     """An attention module whose forward was put back after enabling (a hook registry removing
     its wrapper) is not seen by local tracking: its call runs stock SDPA (equal results). The
-    forward says so and the next one relearns under the mode, routing every call again."""
+    forward says so and the next one relearns under the mode, routing every call again. Also
+    where a diffusers hook replaces a forward but always calls it (layerwise casting's, on a
+    LoRA layer): only hooks that may skip a module (caches) turn the report off."""
     torch.manual_seed(0)
     model = _JoinNet()
     x, keep = _join_inputs()
     ref = model(x, keep)
+    if pass_through_hook:
+        from diffusers.hooks import HookRegistry
+        from diffusers.hooks.layerwise_casting import PeftInputAutocastDisableHook
+        linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        HookRegistry.check_if_exists_or_initialize(linear).register_hook(PeftInputAutocastDisableHook(), "cast")
     va.enable_varlen(model, backend="reference")
     try:
         model(x, keep.clone())
@@ -1238,13 +1247,36 @@ class _OwnMaskNet(torch.nn.Module):
         return x
 
 
+class _LengthsAttention(_MaskArgAttention):
+    """Makes its key-padding mask itself, from ``lengths`` (no mask argument), where given."""
+
+    def forward(self, x, lengths=None):
+        mask = None if lengths is None else torch.arange(x.shape[1]) < torch.tensor(lengths)[:, None]
+        return super().forward(x, attention_mask=mask)
+
+
+class _LengthsNet(torch.nn.Module):
+    """No mask input: its attention modules make masks from ``lengths`` where they differ."""
+
+    def __init__(self, layers=3):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_LengthsAttention() for _ in range(layers))
+
+    def forward(self, x, lengths):
+        for layer in self.layers:
+            x = x + layer(x, lengths=lengths if len(set(lengths)) > 1 else None)
+        return x
+
+
 def test_a_forward_with_no_mask_input_follows_nothing_once_it_met_no_mask(monkeypatch):
     """A model called without its mask (or one with no mask input) has nothing for the mode to
     follow: after one forward under the mode that met no masked attention call, later ones track
     nothing (no Python on their torch functions), their SDPA calls stock's own, bitwise equal. A
     forward that meets a mask all the same (one its attention modules are handed) runs it packed,
     equal to stock, and sends the next forward back to the mode; a model that makes its own
-    masks in every forward stays under the mode, one plan per forward."""
+    masks in every forward stays under the mode, one plan per forward. One that starts making
+    masks inside its attention modules (unseen there: they run stock SDPA, equal) is seen again
+    by the mode within ``RECHECK_UNMASKED`` forwards."""
     torch.manual_seed(0)
     model = _OwnMaskNet()
     x = torch.randn(3, 8, 16, dtype=torch.float64)
@@ -1293,3 +1325,22 @@ def test_a_forward_with_no_mask_input_follows_nothing_once_it_met_no_mask(monkey
             torch.testing.assert_close(got, ref_own)
     finally:
         va.disable_varlen(model)
+
+    net = _LengthsNet()
+    ragged = [8, 5, 2]
+    want_equal, want_ragged = net(x, [8, 8, 8]), net(x, ragged)
+    va.enable_varlen(net, backend="reference")
+    try:
+        forwards = []
+        for i in range(2 + RECHECK_UNMASKED):
+            va.reset_stats()
+            got = net(x, [8, 8, 8] if i < 2 else ragged)
+            torch.testing.assert_close(got, want_equal if i < 2 else want_ragged, rtol=1e-12, atol=1e-12)
+            forwards.append((next(iter(va.stats()["forwards"])), sum(va.stats()["backends"].values())))
+        assert forwards[:2] == [("mode", 0), ("tracked", 0)], forwards
+        # unseen until the recheck, then packed under the mode from there on
+        first = forwards.index(("mode", 3), 2)
+        assert 2 < first <= RECHECK_UNMASKED and all(f == ("tracked", 0) for f in forwards[2:first]), forwards
+        assert all(f == ("mode", 3) for f in forwards[first:]), forwards
+    finally:
+        va.disable_varlen(net)

@@ -8,7 +8,6 @@ Messages name the argument, what was expected and what was received.
 
 from __future__ import annotations
 
-import numbers
 import operator
 
 import torch
@@ -45,7 +44,8 @@ def describe(x: object) -> str:
     """Short description of a received value for error messages."""
     if isinstance(x, torch.Tensor):
         return f"tensor of shape {tuple(x.shape)}, dtype {x.dtype}, device {x.device}"
-    return f"{type(x).__name__} {x!r}"
+    kind = type(x).__name__ if type(x).__module__ == "builtins" else f"{type(x).__module__}.{type(x).__name__}"
+    return f"{kind} {x!r}"
 
 
 # Argument checks shared by every entry, with the conversions torch's own argument parser makes
@@ -82,6 +82,7 @@ def as_real(name: str, value: object, expected: str = "a float or a 0-d tensor")
             if value.requires_grad:  # SDPA refuses it too: its float parameters are not differentiable
                 raise InputTypeError(f"{name} must not require grad (SDPA takes it as a number), got {describe(value)}")
             return float(value)
-    elif isinstance(value, numbers.Real):  # numpy's floats and ints
+    elif (type(value).__module__ == "numpy" and type(value).__name__ != "ndarray"
+          and getattr(getattr(value, "dtype", None), "kind", "") in ("b", "i", "u", "f")):  # numpy scalars, bool too
         return float(value)
     raise InputTypeError(f"{name} must be {expected}, got {describe(value)}")

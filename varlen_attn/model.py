@@ -27,7 +27,7 @@ import torch
 import torch.utils.checkpoint
 
 from . import _stats
-from ._errors import InputTypeError, describe
+from ._errors import InputTypeError, check_bool, describe
 from .hook import (TrackedMask, VarlenHook, active, adopt_checkpoint, checkpoint_frame, hidden, hidden_scope, hooked,
                    plain, tracked)
 from .op import InGraphDeclined, forward_scope, fullgraph_traced, refuse_unsupported_compile
@@ -46,6 +46,8 @@ class _State:
     # While dynamo traces a whole model compiled: its forward's handle (op.forward_scope). A
     # class default: states pickled before it existed read None.
     traced_forward = None
+    # Forwards with no mask input that followed nothing (_learned_without_masks); class default too.
+    unmasked_forwards = 0
 
     def __init__(self, backend, strict, float_mask, restore_checkpoint_mask, in_graph=True):
         self.backend = backend
@@ -345,8 +347,7 @@ def enable_varlen(
     if not isinstance(model, torch.nn.Module):
         raise InputTypeError(f"model must be a torch.nn.Module, got {describe(model)}")
     Policy.of(backend, strict, float_mask)  # validate now, not at the first forward
-    if not isinstance(in_graph, bool):
-        raise InputTypeError(f"in_graph must be a bool, got {describe(in_graph)}")
+    check_bool("in_graph", in_graph)
     if getattr(model, "_varlen_state", None) is not None:
         disable_varlen(model)
     state = _State(backend, strict, float_mask, restore_checkpoint_mask, in_graph)
@@ -438,6 +439,10 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     # (_Boundary). Results never depend on it.
     _install_compiled(model, state)
     tracking, calls = state.tracking.get(names) or (MODE, 0)
+    if not roots and tracking != MODE:
+        state.unmasked_forwards += 1
+        if state.unmasked_forwards % RECHECK_UNMASKED == 0:
+            tracking = MODE  # _learned_without_masks
     with _running_lock:
         state.running += 1
         if state.running == 1:
@@ -474,11 +479,13 @@ def _run_scoped(model, state: _State, orig_forward, bound, roots, names, trackin
         learned = scope.learned() if roots else _learned_without_masks(scope)
         if learned is not None:
             state.tracking[names] = (learned, scope.masked_calls)
+        elif not roots:
+            state.tracking.pop(names, None)
     elif not roots:
         if scope.masked_calls:
-            # A forward with no mask input that follows nothing met a mask after all (made inside
-            # the model): its calls ran packed, each with a plan by mask object. The next forward
-            # learns under the mode again, which keys such masks by their derivation.
+            # A forward with no mask input that follows nothing met a mask after all (handed to an
+            # attention module): its calls ran packed. The next forward learns under the mode
+            # again, which sees masks made anywhere and keys them by derivation.
             state.tracking.pop(names, None)
     elif scope.masked_calls < calls and not _may_skip_modules(model):
         # Fewer masked attention calls reached varlen_attn than in the forward this tracking was
@@ -499,12 +506,19 @@ def _run_scoped(model, state: _State, orig_forward, bound, roots, names, trackin
 
 def _learned_without_masks(scope: Scope) -> str | None:
     """What a forward with no mask input, run under the mode, teaches: where no attention call
-    had a mask (nothing for the mode to follow: a model called without its mask, Flux without
-    one), later such forwards follow nothing (:data:`TRACKED` with no roots). The hook still
-    routes every SDPA call whose mask reaches it, and attention modules still hand their mask
-    arguments on as tracked masks; a forward that meets a mask all the same sends the next one
-    back to the mode. Else None: the mode keys masks the model makes itself (factories)."""
+    had a mask (a model called without its mask, Flux without one), later such forwards follow
+    nothing (:data:`TRACKED` with no roots): no Python on their torch functions. A mask handed to
+    an attention module is still seen (and sends the next forward back to the mode); one made
+    inside an attention module from other inputs would run stock SDPA unseen, so every
+    :data:`RECHECK_UNMASKED`-th such forward runs under the mode again and learns anew. Else None:
+    the mode keys masks the model makes itself."""
     return TRACKED if scope.masked_calls == 0 and not scope.plans else None
+
+
+# A forward with no mask input that follows nothing runs under the mode once in this many (one
+# in 16: a sixteenth of the mode's host time, and a mask the model starts making itself is seen
+# within 16 forwards).
+RECHECK_UNMASKED = 16
 
 
 def _may_skip_modules(model: torch.nn.Module) -> bool:
@@ -520,9 +534,15 @@ def _may_skip_modules(model: torch.nn.Module) -> bool:
     return False
 
 
+# diffusers hooks that replace a forward but always call it (dtype casts around it).
+_PASS_THROUGH_HOOKS = ("diffusers.hooks.layerwise_casting",)
+
+
 def _replaces_forward(hook) -> bool:
     for cls in type(hook).__mro__:
         if "new_forward" in cls.__dict__:
+            if cls.__module__ in _PASS_THROUGH_HOOKS:
+                return False
             return cls.__name__ != "ModelHook" or not cls.__module__.startswith("diffusers.")
     return False
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ._errors import InputTypeError, InputValueError, describe
+from ._errors import InputTypeError, InputValueError, check_bool
 from .kernels import SDPA, requested_backend
 from .plan import VarlenPlan, build_plan, full_plan
 
@@ -87,7 +87,7 @@ class Policy:
         if float_mask not in FLOAT_POLICIES:
             raise InputValueError(f"float_mask must be one of {FLOAT_POLICIES}, got {float_mask!r}")
         if not isinstance(strict, bool):
-            raise InputTypeError(f"strict must be a bool, got {describe(strict)}")
+            check_bool("strict", strict)
         return cls(requested_backend(backend), strict, float_mask, model, in_graph)
 
     @property
