@@ -178,15 +178,15 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
         # Packing reads the mask only for its pattern: it would get no gradient. Decided before
         # the eager/traced split (``requires_grad`` is known while tracing), so both agree.
         return execution.run(q, k, v, None, mask4, execution.unpackable(policy, GRAD_MASK_REASON, mask4), opts)
-    if torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if compiling:
         op.refuse_unsupported_compile()
-        if mask is None and plan is None and policy.unmasked_is_sdpa:
-            return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA, inside the graph
+    if mask is None and plan is None and policy.unmasked_is_sdpa:
+        return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA (inside the graph when traced)
+    if compiling:
         return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy,
                             forward=forward)
     if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
-        if mask4 is None and plan is None and policy.unmasked_is_sdpa:
-            return execution.masked_sdpa(q, k, v, None, opts)
         r = execution.unpackable(policy, TRANSFORM_REASON, mask4)
         return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)
     plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],

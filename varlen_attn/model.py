@@ -46,7 +46,7 @@ class _State:
     # While dynamo traces a whole model compiled: its forward's handle (op.forward_scope). A
     # class default: states pickled before it existed read None.
     traced_forward = None
-    # Forwards with no mask input that followed nothing (_learned_without_masks); class default too.
+    # Forwards with no mask input that followed nothing (_learn_without_masks); class default too.
     unmasked_forwards = 0
 
     def __init__(self, backend, strict, float_mask, restore_checkpoint_mask, in_graph=True):
@@ -442,7 +442,7 @@ def _run_forward(model, state: _State, orig_forward, args, kwargs):
     if not roots and tracking != MODE:
         state.unmasked_forwards += 1
         if state.unmasked_forwards % RECHECK_UNMASKED == 0:
-            tracking = MODE  # _learned_without_masks
+            tracking = MODE  # _learn_without_masks
     with _running_lock:
         state.running += 1
         if state.running == 1:
@@ -475,18 +475,12 @@ def _run_scoped(model, state: _State, orig_forward, bound, roots, names, trackin
     _stats.record_forward(tracking)
     with active(scope):
         out = orig_forward(*bound.args, **bound.kwargs)
-    if tracking == MODE:
-        learned = scope.learned() if roots else _learned_without_masks(scope)
+    if not roots:
+        _learn_without_masks(state, names, scope)
+    elif tracking == MODE:
+        learned = scope.learned()
         if learned is not None:
             state.tracking[names] = (learned, scope.masked_calls)
-        elif not roots:
-            state.tracking.pop(names, None)
-    elif not roots:
-        if scope.masked_calls:
-            # A forward with no mask input that follows nothing met a mask after all (handed to an
-            # attention module): its calls ran packed. The next forward learns under the mode
-            # again, which sees masks made anywhere and keys them by derivation.
-            state.tracking.pop(names, None)
     elif scope.masked_calls < calls and not _may_skip_modules(model):
         # Fewer masked attention calls reached varlen_attn than in the forward this tracking was
         # learned from: some ran stock SDPA unseen (an attention module's forward replaced after
@@ -504,15 +498,18 @@ def _run_scoped(model, state: _State, orig_forward, bound, roots, names, trackin
     return out
 
 
-def _learned_without_masks(scope: Scope) -> str | None:
-    """What a forward with no mask input, run under the mode, teaches: where no attention call
-    had a mask (a model called without its mask, Flux without one), later such forwards follow
-    nothing (:data:`TRACKED` with no roots): no Python on their torch functions. A mask handed to
-    an attention module is still seen (and sends the next forward back to the mode); one made
-    inside an attention module from other inputs would run stock SDPA unseen, so every
-    :data:`RECHECK_UNMASKED`-th such forward runs under the mode again and learns anew. Else None:
-    the mode keys masks the model makes itself."""
-    return TRACKED if scope.masked_calls == 0 and not scope.plans else None
+def _learn_without_masks(state: _State, names: tuple, scope: Scope) -> None:
+    """What a forward with no mask input teaches. Under the mode, where no attention call had a
+    mask (a model called without its mask, Flux without one): later such forwards follow
+    nothing (:data:`TRACKED` with no roots), no Python on their torch functions. A mask handed
+    to an attention module is still seen there; a forward that met a mask, under any tracking,
+    sends the next back to the mode, which sees masks made anywhere and keys them by derivation.
+    One made inside an attention module from other inputs would run stock SDPA unseen, so every
+    :data:`RECHECK_UNMASKED`-th such forward runs under the mode again (:func:`_run_forward`)."""
+    if scope.masked_calls:
+        state.tracking.pop(names, None)
+    elif scope.tracking == MODE:
+        state.tracking[names] = (TRACKED, 0)
 
 
 # A forward with no mask input that follows nothing runs under the mode once in this many (one

@@ -244,12 +244,11 @@ def build_plan(
         NotPackableError: with ``strict=True``, when the mask is not a padding pattern.
     """
     batch_size, seqlen_q, seqlen_k, num_heads = (
-        n if n is None or (type(n) is int and n >= low) else check_size(name, n, low)
+        None if n is None else check_size(name, n, low)
         for name, n, low in (("batch_size", batch_size, 0), ("seqlen_q", seqlen_q, 0), ("seqlen_k", seqlen_k, 0),
                              ("num_heads", num_heads, 1)))
     for name, flag in (("strict", strict), ("float01_as_bool", float01_as_bool), ("cache", cache)):
-        if type(flag) is not bool:
-            check_bool(name, flag)
+        check_bool(name, flag)
     if attn_mask is None:
         if batch_size is None or seqlen_q is None:
             raise InputValueError("build_plan(None) needs batch_size and seqlen_q, got None")

@@ -86,8 +86,7 @@ class Policy:
         """Validate the arguments and resolve the backend name."""
         if float_mask not in FLOAT_POLICIES:
             raise InputValueError(f"float_mask must be one of {FLOAT_POLICIES}, got {float_mask!r}")
-        if not isinstance(strict, bool):
-            check_bool("strict", strict)
+        check_bool("strict", strict)
         return cls(requested_backend(backend), strict, float_mask, model, in_graph)
 
     @property
