@@ -165,7 +165,7 @@ def static_attention(q, k, v, mask, *, backend="reference", convention="torch", 
 
     return va.op.static_attention(q, k, v, mask, convention=convention,
                                   opts=va.execution.Options(None, False, 0.0, gqa),
-                                  policy=va.scope.Policy(backend, False, "bool", False))
+                                  policy=va.policy.Policy(backend, False, "bool", False))
 
 
 def sdpa_fn(case: Case, mask_dtype: torch.dtype, exact: bool = False, device="cpu"):

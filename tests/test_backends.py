@@ -33,8 +33,11 @@ class Recorder:
         assert type(max_seqlen_q) is int and type(max_seqlen_k) is int
         assert q.stride(-1) == 1 and k.stride(-1) == 1 and v.stride(-1) == 1
         self.calls.append(kw)
-        out = kernels_ref.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        # Rows past cu_seqlens[-1] (a static plan's padding) are read by no segment, as in flash-attn.
+        tq, tk = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
+        out = kernels_ref.flash_attn_varlen_func(q[:tq], k[:tk], v[:tk], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                  max_seqlen_k, **kw)
+        out = torch.cat([out, out.new_zeros((q.shape[0] - tq, *out.shape[1:]))])
         return (out, None) if self.returns_lse else out
 
 
@@ -77,11 +80,14 @@ def fake_fa4_interface(recorder):
                         causal, return_lse):
         assert return_lse and cu_seqlens_q.dtype == torch.int32 and type(max_seqlen_q) is int
         recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "fwd"})
+        tq, tk = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])  # rows past them: read by no segment
         out, lse, _ = kernels_ref.flash_attn_varlen_func(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale=softmax_scale,
-            causal=causal, return_attn_probs=True)
-        assert lse.shape == (q.shape[1], q.shape[0]) and lse.dtype == torch.float32
-        return out, lse, None, None, None
+            q[:tq], k[:tk], v[:tk], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+            softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
+        assert lse.shape == (q.shape[1], tq) and lse.dtype == torch.float32
+        rest = q.shape[0] - tq
+        return (torch.cat([out, out.new_zeros((rest, *out.shape[1:]))]),
+                torch.nn.functional.pad(lse, (0, rest)), None, None, None)
 
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, *, cu_seqlens_q, cu_seqlens_k,
                         max_seqlen_q, max_seqlen_k):
@@ -92,13 +98,17 @@ def fake_fa4_interface(recorder):
         # inference_mode to be off, with normal copies of its inputs.
         from varlen_attn.op import _autograd_dispatch
 
+        tq, tk = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
         with torch.inference_mode(False), _autograd_dispatch(), torch.enable_grad():
             qd, kd, vd, dout, cu_seqlens_q, cu_seqlens_k = (
-                t.clone() for t in (q, k, v, dout, cu_seqlens_q, cu_seqlens_k))
+                t.clone() for t in (q[:tq], k[:tk], v[:tk], dout[:tq], cu_seqlens_q, cu_seqlens_k))
             qd, kd, vd = (t.requires_grad_() for t in (qd, kd, vd))
             o = kernels_ref.flash_attn_varlen_func(qd, kd, vd, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                    max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
-            return torch.autograd.grad(o, (qd, kd, vd), dout)
+            grads = torch.autograd.grad(o, (qd, kd, vd), dout)
+            # Past the last segment the real kernel leaves what it likes: NaN, which must not reach a gradient.
+            return tuple(torch.cat([g, g.new_full((t.shape[0] - g.shape[0], *g.shape[1:]), float("nan"))])
+                         for g, t in zip(grads, (q, k, v)))
 
     iface._flash_attn_fwd, iface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
     return iface
@@ -142,7 +152,7 @@ def test_fused_equals_composed(fake_flash):
     import dataclasses
 
     from varlen_attn import execution
-    from varlen_attn.scope import Policy
+    from varlen_attn.policy import Policy
 
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(3, 9, 2, 32, dtype=torch.float64, generator=g) for _ in range(3))
@@ -225,19 +235,22 @@ def _fake_varlen(signature: str):
     """torch.nn.attention.varlen.varlen_attn as shipped in torch 2.11 or 2.13, over kernels_ref."""
     seen = {}
 
+    def ref(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, causal):
+        tq, tk = int(cu_seq_q[-1]), int(cu_seq_k[-1])  # rows past them: read by no segment
+        out = kernels_ref.flash_attn_varlen_func(query[:tq], key[:tk], value[:tk], cu_seq_q, cu_seq_k, max_q, max_k,
+                                                 softmax_scale=scale, causal=causal)
+        return torch.cat([out, out.new_zeros((query.shape[0] - tq, *out.shape[1:]))])
+
     def v211(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None,
              scale=None):
         seen.update(is_causal=is_causal)
-        return kernels_ref.flash_attn_varlen_func(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                  softmax_scale=scale, causal=is_causal)
+        return ref(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, is_causal)
 
     def v213(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
              window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
         seen.update(window_size=window_size, enable_gqa=enable_gqa)
         assert query.shape[1] == key.shape[1] or enable_gqa
-        causal = window_size == (-1, 0)
-        return kernels_ref.flash_attn_varlen_func(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k,
-                                                  softmax_scale=scale, causal=causal)
+        return ref(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, window_size == (-1, 0))
 
     fn = v211 if signature == "2.11" else v213
     return fn, frozenset(inspect.signature(fn).parameters), seen

@@ -1,12 +1,12 @@
 """varlen_attn: masked attention at the speed of unmasked attention, equal to masked SDPA.
 
 Layers, bottom up (a module imports only from layers below it; docs/design.md):
-``masks`` (a mask read as segments) -> ``plan`` (once per batch, one sync) -> ``pack``
-(gather/scatter, exact autograd) -> ``kernels`` (varlen backends) -> ``scope`` (which plan a
-mask gets) -> ``fused`` -> ``execution`` (one call with its plan: route and run) -> adapters:
-``op`` (the torch.compile custom op), ``functional``, ``hook`` (the SDPA TorchFunctionMode),
-``model`` (enable_varlen), ``processor`` (VarlenAttnProcessor) and ``parallel`` (Ulysses context
-parallelism). ``padding`` stands beside ``pack``.
+``masks`` (a mask read as segments) -> ``plan`` (a call's plan, from its own mask) -> ``pack``
+(gather/scatter, exact autograd) -> ``kernels`` (varlen backends) -> ``policy`` (what the caller
+asked for, and which plan a call runs with) -> ``fused`` -> ``execution`` (one call with its plan:
+route and run) -> adapters: ``op`` (torch.compile), ``functional``, ``hook`` (which SDPA calls
+are varlen_attn's), ``model`` (enable_varlen), ``processor`` (VarlenAttnProcessor) and
+``parallel`` (Ulysses context parallelism). ``padding`` stands beside ``pack``.
 """
 
 from ._errors import (

@@ -20,7 +20,6 @@ _lock = threading.Lock()
 _backends: Counter[str] = Counter()
 _fallbacks: Counter[str] = Counter()
 _counts: Counter[str] = Counter()
-_forwards: Counter[str] = Counter()
 
 
 _local = threading.local()
@@ -69,15 +68,9 @@ def record_host_sync() -> None:
         _counts["host_syncs"] += 1
 
 
-def record_forward(tracking: str) -> None:
-    """An enabled model's eager forward followed its masks by ``tracking`` ("mode"/"tracked"/"local"/"entry")."""
-    with _lock:
-        _forwards[tracking] += 1
-
-
 def stats() -> dict:
     """Snapshot: ``{"backends": {name: calls}, "fallbacks": {reason: calls},
-    "plan_builds": n, "host_syncs": n, "forwards": {tracking: n}}`` since the last
+    "plan_builds": n, "host_syncs": n}`` since the last
     :func:`reset_stats`."""
     with _lock:
         return {
@@ -85,7 +78,6 @@ def stats() -> dict:
             "fallbacks": dict(_fallbacks),
             "plan_builds": _counts["plan_builds"],
             "host_syncs": _counts["host_syncs"],
-            "forwards": dict(_forwards),
         }
 
 
@@ -95,4 +87,3 @@ def reset_stats() -> None:
         _backends.clear()
         _fallbacks.clear()
         _counts.clear()
-        _forwards.clear()

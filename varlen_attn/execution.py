@@ -20,12 +20,11 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from . import _stats
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, NotPackableError
 from .fused import FusedAttention, packed_backward, packed_forward
-from .kernels import SDPA, Backend, VarlenInputs, select
+from .kernels import SDPA, TORCH_SDPA, Backend, VarlenInputs, select
 from .kernels._base import empty_output, inside_compiled_graph, refusals
 from .masks import canonical_mask
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
@@ -155,7 +154,15 @@ def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> tor
         # Every query masked (caption dropout on a whole batch): nothing for a kernel to do.
         out = unpack(empty_output(inp) if plan.total_q == 0 else r.impl.forward(inp), plan, "q")
     _stats.record_backend(r.impl.NAME)  # once it ran: a kernel that refused the call did not
-    return out
+    return zero_dead(out, plan)
+
+
+def zero_dead(x: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+    """Padded ``[B, Sq, ...]`` with the rows of the plan's dead elements (:attr:`VarlenPlan.dead`:
+    no query attends a key) zeroed, as SDPA returns them; ``x`` itself where there are none."""
+    if plan.dead is None:
+        return x
+    return x.masked_fill(plan.dead.view((-1,) + (1,) * (x.dim() - 1)), 0)
 
 
 def attend(q, k, v, plan: VarlenPlan | None, mask4, opts: Options, policy) -> torch.Tensor:
@@ -183,14 +190,14 @@ def forward_lse(q, k, v, plan: VarlenPlan, r: Route, opts: Options):
     """A fused route's forward without autograd: ``(out [B, Sq, Hq, Dv], lse [Hq, total_q])``."""
     _, out, lse = packed_forward(r.impl, q, k, v, plan, r.scale, opts.causal)
     _stats.record_backend(r.impl.NAME)
-    return scatter_packed(out, plan, "q"), lse
+    return zero_dead(scatter_packed(out, plan, "q"), plan), lse
 
 
 def backward_native(dout, q, k, v, out, lse, plan: VarlenPlan, r: Route, opts: Options):
     """A fused route's backward from padded tensors (re-gathered): padded ``(dq, dk, dv)``."""
     packed = [gather_packed(t, plan, w) for t, w in ((q, "q"), (k, "k"), (v, "k"), (out, "q"))]
     inp = VarlenInputs(*packed[:3], plan, r.scale, opts.causal)
-    return packed_backward(r.impl, inp, packed[3], lse, dout)
+    return packed_backward(r.impl, inp, packed[3], lse, zero_dead(dout, plan))
 
 
 def sdpa_mask(plan: VarlenPlan | None, mask4: torch.Tensor | None) -> torch.Tensor | None:
@@ -219,7 +226,7 @@ def masked_sdpa(q, k, v, mask4, opts: Options, reason: str | None = None) -> tor
     causal = opts.causal
     if causal and (mask4 is not None or sq != sk):
         mask4, causal = causal_mask(mask4, sq, sk, q.device), False
-    out = F.scaled_dot_product_attention(
+    out = TORCH_SDPA(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask4,
         dropout_p=opts.dropout_p, is_causal=causal, scale=opts.scale, enable_gqa=opts.gqa,
     )

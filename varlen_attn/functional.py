@@ -6,7 +6,7 @@
   masks read batch first (``[B, Sk]`` is key padding), and a prebuilt plan may be passed.
 
 Both validate their inputs, then :func:`dispatch`: the one place where the eager and the
-traced (``torch.compile``) paths part. Eager: the plan (:func:`varlen_attn.scope.resolve_plan`)
+traced (``torch.compile``) paths part. Eager: the plan (:func:`varlen_attn.policy.resolve_plan`)
 -> route and run (:mod:`varlen_attn.execution`). Traced: the custom op (:mod:`varlen_attn.op`),
 which does the same at run time.
 """
@@ -16,13 +16,13 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
 from . import execution, op
 from ._errors import BackendUnavailableError, InputTypeError, InputValueError, as_real, check_bool, describe
 from .execution import Options
+from .kernels import TORCH_SDPA
 from .plan import VarlenPlan, read_float01_as_bool
-from .scope import Policy, current_scope, resolve_plan
+from .policy import Policy, resolve_plan
 
 
 def _autocast(query, key, value, attn_mask):
@@ -108,7 +108,7 @@ def _sdpa_takes_mask_with_causal() -> bool:
     does and applies ``mask & tril``, top-left aligned; older releases refuse)."""
     x = torch.zeros(1, 1, 2, 8)
     try:
-        F.scaled_dot_product_attention(x, x, x, attn_mask=torch.ones(2, 2, dtype=torch.bool), is_causal=True)
+        TORCH_SDPA(x, x, x, attn_mask=torch.ones(2, 2, dtype=torch.bool), is_causal=True)
     except (RuntimeError, ValueError):
         return False
     return True
@@ -164,9 +164,8 @@ def _float01_read(mask4, policy: Policy):
 
 
 def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
-             policy: Policy, forward: torch.Tensor | None = None) -> torch.Tensor:
-    """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced
-    (``forward``: the handle of the traced forward of a whole model compiled, ``op.forward_op``)."""
+             policy: Policy) -> torch.Tensor:
+    """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced."""
     mask4 = execution.mask4_of(mask, q, k, convention)  # a view; also validates the mask's shape
     if (q.is_meta or q.numel() == 0 or k.numel() == 0 or (opts.scale is not None and not math.isfinite(opts.scale))
             or opts.dropout_p == 1.0):
@@ -184,13 +183,12 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
     if mask is None and plan is None and policy.unmasked_is_sdpa:
         return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA (inside the graph when traced)
     if compiling:
-        return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy,
-                            forward=forward)
+        return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
         r = execution.unpackable(policy, TRANSFORM_REASON, mask4)
         return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)
-    plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
-                        device=q.device, convention=convention, policy=policy, plan=plan, scope=current_scope())
+    plan = resolve_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1], device=q.device,
+                        policy=policy, plan=plan)
     return execution.attend(q, k, v, plan, mask4, opts, policy)
 
 
@@ -234,10 +232,9 @@ _NO_DROPOUT = object()  # sdpa_with_policy's default dropout_p (0.0); not a floa
 
 
 def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, is_causal=False, scale=None,
-                     enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None,
-                     forward: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`scaled_dot_product_attention` with a ready :class:`~varlen_attn.scope.Policy`
-    (what ``enable_varlen``'s hook calls, with its scope's ``forward`` handle). ``dropout_p``'s
+                     enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None) -> torch.Tensor:
+    """:func:`scaled_dot_product_attention` with a ready :class:`~varlen_attn.policy.Policy`
+    (what ``enable_varlen``'s SDPA calls, varlen_attn.hook). ``dropout_p``'s
     default stands for 0.0 and is no float: a float default read in traced code is an input of
     the graph when dynamo traces with ``dynamic=True``, and one read in a checkpointed body, then
     in a second, stopped dynamo ("lift_tracked_freevar_to_input should not be called on root
@@ -279,7 +276,7 @@ def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, i
         out = execution.masked_sdpa(q, k, v, tri, Options(scale, False, dropout_p, enable_gqa))
         return out.transpose(1, 2)
     out = dispatch(q, k, v, attn_mask, convention="torch", plan=plan,
-                   opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=policy, forward=forward)
+                   opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=policy)
     return out.transpose(1, 2)
 
 

@@ -1,19 +1,18 @@
 """Attention under ``torch.compile``: custom ops, opaque to dynamo and inductor.
 
-Under compilation the functional entries (and through them ``enable_varlen``'s SDPA hook) call
+Under compilation the functional entries (and through them an enabled model's SDPA calls) call
 :func:`attention`, which calls ``torch.ops.varlen_attn.attention_v4`` (under CUDA graphs another
-path, below: "Under CUDA graphs"; in compiled blocks of an enabled model with a backend whose
-kernel traces or has its own entry points, attention in the graph itself, below: "In the
-graph"). Everything data-dependent happens inside that op, at run time, through the same code
+path, below: "Under CUDA graphs"; for a key-padding mask of an enabled model, attention in the
+graph itself, below: "In the graph"). Everything data-dependent happens inside that op, at run time, through the same code
 as the eager path: the plan
-(:func:`varlen_attn.scope.resolve_plan`, or a prebuilt plan named by its ``token``), the route
+(:func:`varlen_attn.policy.resolve_plan`, or a prebuilt plan named by its ``token``), the route
 and its execution (:mod:`varlen_attn.execution`). The graph sees only padded tensors in and
 out, with fixed shapes, so:
 
 * no graph break: the op has a fake implementation (shapes only);
 * no recompilation when the mask changes: a prebuilt plan reaches the op as its CPU ``token``
   tensor (a tensor input, never specialized on), and no length, total or packability is read
-  while tracing; the whole policy (:class:`~varlen_attn.scope.Policy`) travels as constant
+  while tracing; the whole policy (:class:`~varlen_attn.policy.Policy`) travels as constant
   arguments.
 
 Autograd: ``varlen_attn::attention_backward_v4``. The forward's plan and route are kept in this
@@ -43,11 +42,10 @@ from ._errors import BackendUnavailableError, InputValueError, KernelRefusedErro
 from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, in_graph_priority, rows_are_short, select
 from .kernels._base import compiled_graph
-from .pack import gather_rows, scatter_rows
-from .plan import (STATIC_PROBLEMS, VarlenPlan, plan_of_token, read_float01_as_bool,
-                   refuse_nan_inf, static_layout_of, static_plan_of, static_plan_tensors_of, static_sides,
-                   unpackable_reason)
-from .scope import Policy, Scope, current_scope, float_mask_read_as_bool, mask_info, resolve_plan, traced_signature
+from .pack import gather_rows
+from .plan import (STATIC_PROBLEMS, VarlenPlan, is_key_padding, key_padding_side, plan_of_token,
+                   read_float01_as_bool, refuse_nan_inf, static_plan_of, static_plan_tensors_of, unpackable_reason)
+from .policy import Policy, float_mask_read_as_bool, mask_info, resolve_plan
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
 # and 2.15; on 2.6 and 2.8 whole-model compile recompiled for every new mask, on 2.5 regional
@@ -94,9 +92,7 @@ _refuse_compile = _compiler_disabled(_raise_compile_unsupported,
 # retained graph gets the same copy from save_on_cpu-like hooks). At most _KEPT_MAX entries and
 # _KEPT_BYTES of kept masks wait, the oldest going first (training forwards under such hooks whose
 # backward never runs, and the forward calls of checkpointed bodies dynamo traced, whose backward
-# takes the recomputation's entries); a forward's scope, which the recomputation of its
-# checkpointed blocks reads, waits among the last _KEPT_SCOPES. Entries share their forward's
-# plans: a few per step.
+# takes the recomputation's entries).
 
 
 class _Record:
@@ -115,10 +111,8 @@ class _Record:
 _ids = itertools.count(1)
 _records: dict[int, _Record] = {}
 _waiting: "OrderedDict[int, int]" = OrderedDict()  # number -> bytes of its kept mask
-_kept_scopes: "OrderedDict[int, int]" = OrderedDict()
 _KEPT_MAX = 1024
 _KEPT_BYTES = 1 << 30
-_KEPT_SCOPES = 4
 _lock = threading.RLock()  # also taken by the handles' finalizers, which a collection may run anywhere
 
 
@@ -139,8 +133,6 @@ def _release(ident: int) -> None:
             return
         if not rec.keep or rec.adopted:
             del _records[ident]
-        elif isinstance(rec.entry, Scope):
-            _wait(_kept_scopes, ident, 0, _KEPT_SCOPES)
         else:
             mask = rec.entry[2]
             _wait(_waiting, ident, mask.numel() * mask.element_size() if torch.is_tensor(mask) else 0, _KEPT_MAX)
@@ -212,68 +204,17 @@ _CONTRACT = "_v4"
 _NOT_CAPTURABLE = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
 
 
-# --- One forward of a whole model compiled --------------------------------------------------------
-# Traced whole, an enabled model's forward has no scope at run time: nothing of ours runs around
-# the compiled graph. Without one, every attention op looked its plan up in the cache keyed by
-# mask object, whose value check reads the host once per call. So the traced forward begins with
-# this op (varlen_attn.model._traced_forward): it makes a scope for the forward that runs and
-# returns its handle, which every attention op of the forward takes (``forward``): the first
-# masked call builds (or finds, with one read) the plan, the others find it in the scope, also
-# in the recomputation of checkpointed blocks, which takes the same handle. The scope lives while
-# the handle does (saved for backward where a recomputation needs it). The mask inputs go in: they
-# are the scope's roots (marked while tracing, scope.trace_root), so a mask the graph derives from
-# them in every block (Chroma's outer product, Qwen-Image's cat), in the forward and again in a
-# recomputation, is keyed by its traced derivation; and the op, depending on graph inputs, is
-# ordered after them and never folded to a constant.
-
-
-@torch.library.custom_op(f"varlen_attn::forward{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
-def forward_op(masks: list[Tensor], training: bool) -> Tensor:
-    """A new scope for one forward of a whole model compiled, its mask inputs ``masks`` as its
-    roots (keyed by position), under the handle returned. ``training``: traced with grad enabled
-    (a backward, and in it a recomputation that reads the scope, may follow)."""
-    # Plans only: the policy travels with each attention op, no hook runs on this scope.
-    scope = Scope(Policy())
-    for i, t in enumerate(masks):
-        scope.add_root(str(i), t)
-    return _hold(scope, training and _hooks_may_copy())
-
-
-@forward_op.register_fake
-def _(masks, training):
-    return torch.empty(1, dtype=torch.int64)
-
-
-def forward_scope(masks: list[Tensor]) -> Tensor | None:
-    """While tracing the forward of a whole model compiled: the handle of its run-time scope
-    (:func:`forward_op`) from its mask inputs ``masks``; None where no op of the forward takes one
-    (no mask input; a graph CUDA graphs capture, whose attention plans inside the graph)."""
-    if not masks or (masks[0].device.type in CAPTURED_DEVICES and _cuda_graphs_traced()):
-        return None
-    return forward_op(masks, torch.is_grad_enabled())
-
-
-def _scope_of(forward: Tensor | None) -> Scope | None:
-    """The scope an attention op keeps its plans in: its forward's (``forward``, a handle of
-    :func:`forward_op`) while that lives, else the thread's (eager forwards around compiled
-    blocks)."""
-    scope = None if forward is None else _held(forward)
-    return scope if scope is not None else current_scope()
-
-
 @torch.library.custom_op(f"varlen_attn::attention{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token: Optional[Tensor],
-                 roots: list[Tensor], derivation: str, scale: Optional[float], causal: bool, gqa: bool,
-                 backend: str, strict: bool, convention: str, float_mask: str,
-                 model: bool, forward: Optional[Tensor], training: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 scale: Optional[float], causal: bool, gqa: bool, backend: str, strict: bool, convention: str,
+                 float_mask: str, model: bool, training: bool) -> tuple[Tensor, Tensor, Tensor]:
     """Padded ``[B, S, H, D]`` q, k, v -> ``(out [B, Sq, Hq, Dv], lse [Hq, B*Sq] float32,
     handle)``; lse holds the kernel's values in its first ``total_q`` columns on fused routes and
-    zeros elsewhere. ``forward``: the handle of the running forward of a whole model compiled
-    (:func:`forward_op`), whose scope its plans are kept in; else the thread's scope.
-    ``training``: traced where a backward may follow (its entry may be kept for one)."""
-    with torch._C.DisableTorchFunction():  # enable_varlen's hook must not see our own calls
-        plan, r, mask4, opts = _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend,
-                                              strict, convention, float_mask, model, _scope_of(forward))
+    zeros elsewhere. ``training``: traced where a backward may follow (its entry may be kept for
+    one)."""
+    with torch._C.DisableTorchFunction():  # a TorchFunctionMode around the graph must not see our own calls
+        plan, r, mask4, opts = _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention,
+                                              float_mask, model)
         # After a refusal the route is chosen again, not the plan (no second read, no second count).
         r, (out, lse_buf) = execution.rerouted(
             backend, r, lambda: _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model),
@@ -295,18 +236,16 @@ def _op_forward(q, k, v, plan, r, mask4, opts):
     return out, q.new_zeros((h, b * sq), dtype=torch.float32)
 
 
-def _forward_state(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention,
-                   float_mask, model, scope):
+def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model):
     """``(plan, route, mask4, options)`` of a call of the op."""
     policy = Policy(backend, strict, float_mask, model)
     opts = Options(scale, causal, 0.0, gqa)
     plan = None if token is None else plan_of_token(token)
     if token is not None and plan is None:
         raise InputValueError("the plan passed to attention was freed before the compiled call ran")
-    plan = resolve_plan(mask, batch=q.shape[0], heads=q.shape[2], seqlen_q=q.shape[1], seqlen_k=k.shape[1],
-                        device=q.device, convention=convention, policy=policy, plan=plan, scope=scope,
-                        roots=roots, derivation=derivation, graph=True)
     mask4 = execution.mask4_of(mask, q, k, convention)
+    plan = resolve_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1], device=q.device,
+                        policy=policy, plan=plan)
     return plan, _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model), mask4, opts
 
 
@@ -317,8 +256,7 @@ def _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model):
 
 
 @attention_op.register_fake
-def _(q, k, v, mask, token, roots, derivation, scale, causal, gqa, backend, strict, convention, float_mask,
-      model, forward, training):
+def _(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model, training):
     if q.device.type == "cuda" and _cuda_graphs_requested():
         raise BackendUnavailableError(
             "CUDA graphs (torch.compile mode='reduce-overhead') were requested, but varlen_attn did not "
@@ -418,23 +356,22 @@ def _setup_context(ctx, inputs, output):
     # a float bias: written in place after the call, both refuse.
     bias = mask if mask is not None and mask.is_floating_point() else None
     ctx.save_for_backward(q, k, v, out, lse, handle, bias)
-    ctx.roots = len(inputs[5])
-    ctx.rest = len(inputs) - 6  # derivation ... training
+    ctx.rest = len(inputs) - 3  # mask ... training
 
 
 def _backward(ctx, dout, _dlse, _dhandle):
     q, k, v, out, lse, handle, bias = ctx.saved_tensors
     dq, dk, dv = attention_backward_op(dout.contiguous(), q, k, v, out, lse, handle, bias)
-    return dq, dk, dv, None, None, [None] * ctx.roots, *(None,) * ctx.rest
+    return dq, dk, dv, *(None,) * ctx.rest
 
 
 attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, convention: str, opts: Options,
-              policy: Policy, forward: Tensor | None = None) -> Tensor:
-    """The traced path: padded ``[B, S, H, D]`` tensors to the op. Reads nothing data-dependent.
-    ``forward``: the handle of the forward of a whole model compiled (:func:`forward_op`)."""
+              policy: Policy) -> Tensor:
+    """The traced path: padded ``[B, S, H, D]`` tensors to the op, or, for a key-padding mask
+    of an enabled model, attention in the graph itself (below). Reads nothing data-dependent."""
     if opts.dropout_p:
         raise InputValueError(
             f"dropout_p must be 0 under torch.compile (a recomputed backward would draw a "
@@ -443,18 +380,19 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
     if q.device.type in CAPTURED_DEVICES and _cuda_graphs_traced():
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
-        scale = execution.kernel_scale(q, opts)
-        short = policy.backend == "auto" and rows_are_short(k.shape[1])
-        chosen = _traceable_backend(policy.backend, q.dtype, q.device.type, q.device.index, q.shape[2], k.shape[2],
-                                    q.shape[-1], v.shape[-1], scale, short)
-        if chosen:
-            return _in_graph_attention(q, k, v, mask, chosen, scale, convention=convention, opts=opts, policy=policy)
-    roots, derivation = traced_signature(mask)
+        mask4 = execution.mask4_of(mask, q, k, convention)
+        if is_key_padding(mask4):
+            scale = execution.kernel_scale(q, opts)
+            short = policy.backend == "auto" and rows_are_short(k.shape[1])
+            chosen = _traceable_backend(policy.backend, q.dtype, q.device.type, q.device.index, q.shape[2],
+                                        k.shape[2], q.shape[-1], v.shape[-1], scale, short)
+            if chosen:
+                return _in_graph_attention(q, k, v, mask4, chosen, scale)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
-    out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token, roots, derivation,
+    out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token,
                              None if opts.scale is None else float(opts.scale), bool(opts.causal),
                              bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask,
-                             policy.model, forward, training)
+                             policy.model, training)
     return out
 
 
@@ -499,12 +437,6 @@ def _tracer():
         return InstructionTranslator.current_tx()
     except Exception:  # noqa: BLE001
         return None
-
-
-def fullgraph_traced() -> bool:
-    """Dynamo is tracing with ``fullgraph=True`` (read while tracing)."""
-    tx = _tracer()
-    return bool(tx is not None and tx.one_graph)
 
 
 # Where a compiler wrapper keeps what it wraps: functools-style, dynamo's WrapBackendDebug,
@@ -664,42 +596,30 @@ static_attention_op.register_autograd(_static_backward, setup_context=_static_se
 
 
 # --- In the graph -------------------------------------------------------------------------------
-# In the compiled blocks of an enabled model (``Policy.in_graph``), with a backend whose kernel
-# traces (``Backend.TRACEABLE``: ``torch``, whose aten forward autograd differentiates) or has its
-# own forward and backward entry points (FA4: its kernel in the opaque op at the end of this
-# module), attention goes into the block's graph itself: one op reads the plan on the host (the
-# forward's plan, as the op above resolves it: one build and one host sync per step) and returns
-# it in the static layout (one segment per batch element, every row kept:
-# varlen_attn.plan.static_layout_of); then the graph gathers q, k and v into packed order, runs
-# the kernel and scatters back, in tensor ops inductor fuses. No Python of ours runs in the
-# backward (beyond FA4's kernel op), nor in the forward beyond the plan lookup. The static layout
-# holds padding masks only; for any other mask, or a route that is not that backend's (masked
-# SDPA for a mask that cannot be packed, another backend), the op raises InGraphDeclined, and the
-# block's boundary (varlen_attn.model) turns the route off for that block and calls it again:
-# traced anew, it takes the op above.
-
-
-class InGraphDeclined(VarlenAttnError):
-    """Raised at run time by the in-graph route's plan op where the call needs the general route
-    (the custom op above); caught by the compiled block's boundary, which calls it again without."""
+# In compiled code of an enabled model (``Policy.in_graph``), a boolean key-padding mask (every
+# query of an element keeps the same keys: known from its shape and dtype while tracing) needs no
+# host read at all: its plan is a few tensor ops (varlen_attn.plan.key_padding_side) traced into
+# the graph, the queries stay in place, and the keys and values are gathered into packed order.
+# The kernel is traced too where it traces (``Backend.TRACEABLE``: ``torch``, whose aten forward
+# autograd differentiates) or, where it has its own forward and backward entry points (FA4), runs
+# in the opaque op at the end of this module. No Python of ours runs at run time beyond FA4's op,
+# and inductor fuses the plan. Every other mask takes the custom op above (one host read a call).
 
 
 @torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
 def _traceable_backend(backend: str, dtype, device_type: str, device_index, hq: int, hk: int, d: int, dv: int,
                        scale: float, short_rows: bool) -> str:
-    """The backend ``backend`` selects for inputs of this kind in a compiled block's graph (auto:
-    in :func:`varlen_attn.kernels.in_graph_priority`'s order) when the in-graph route can call
-    its kernel, else ""."""
+    """The backend ``backend`` selects for inputs of this kind in a compiled graph (auto: in
+    :func:`varlen_attn.kernels.in_graph_priority`'s order) when the in-graph route can call its
+    kernel, else ""."""
     device = torch.device(device_type, device_index)
     q = torch.empty((1, hq, d), dtype=dtype, device=device)
     k, v = q.new_empty((1, hk, d)), q.new_empty((1, hk, dv))
-    probe = VarlenPlan(batch_size=1, seqlen_q=1, seqlen_k=1, packable=True, device=device)
+    probe = VarlenPlan(batch_size=1, seqlen_q=1, seqlen_k=1, packable=True, device=device, static=True)
     try:
         impl = select(VarlenInputs(q, k, v, probe, scale), backend, in_graph_priority(device, short_rows))
     except BackendUnavailableError:
         return ""  # the general route says why, where it matters
-    # The kernel op runs packed rows in the static layout: a backend with its own entry points
-    # takes the route only where it runs static plans (reads no segment length on the host).
     return impl.NAME if impl.TRACEABLE or (impl.NATIVE_BACKWARD and impl.STATIC_PLANS) else ""
 
 
@@ -719,60 +639,17 @@ def _traced_kernel(name: str):
                                                                              scale, name)[0]
 
 
-def _in_graph_attention(q, k, v, mask: Tensor, chosen: str, scale: float, *, convention: str, opts: Options,
-                        policy: Policy) -> Tensor:
-    """The in-graph route (see above): padded ``[B, S, H, D]`` in and out."""
-    roots, derivation = traced_signature(mask)
+def _in_graph_attention(q, k, v, mask4: Tensor, chosen: str, scale: float) -> Tensor:
+    """The in-graph route (see above): padded ``[B, S, H, D]`` in and out, a key-padding mask."""
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    layout = in_graph_plan_op(q, k, v, mask, roots, derivation, None if opts.scale is None else float(opts.scale),
-                              bool(opts.gqa), chosen, policy.backend, policy.strict, convention, policy.float_mask,
-                              policy.model)
-    (order_q, inverse_q, cu_q, padding_q), k_side = static_sides(layout, batch=b, seqlen_q=sq, seqlen_k=sk)
-    # The gathers and scatters of pack, with the static layout's padding: rows past the last
-    # segment hold what the kernel leaves there, and the scatters fill their padded positions,
-    # going out and (the gathers' backward) coming back, with zeros.
-    kp, vp = (gather_rows(t.flatten(0, 1), *k_side[:2], k_side[3]) for t in (k, v))
-    kernel = _traced_kernel(chosen)
-    # A mask broadcast over the queries (key padding, cross-attention) gives every query of an
-    # element the same keys: where the static layout holds it (every element has a key) every
-    # query is valid and keeps its place.
-    if execution.mask4_of(mask, q, k, convention).shape[2] == 1:
-        out = kernel(q.flatten(0, 1), kp, vp, cu_q, k_side[2], sq, sk, scale)
-    else:
-        qp = gather_rows(q.flatten(0, 1), order_q, inverse_q, padding_q)
-        out = kernel(qp, kp, vp, cu_q, k_side[2], sq, sk, scale)
-        out = scatter_rows(out, order_q, b * sq, inverse_q, padding_q)
-    return out.view(b, sq, q.shape[2], v.shape[-1])
-
-
-@torch.library.custom_op("varlen_attn::in_graph_plan", mutates_args=(), tags=_NOT_CAPTURABLE)
-def in_graph_plan_op(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, roots: list[Tensor], derivation: str,
-                     scale: Optional[float], gqa: bool, chosen: str, backend: str, strict: bool, convention: str,
-                     float_mask: str, model: bool) -> Tensor:
-    """The call's plan in the static layout, for the in-graph route running backend ``chosen``;
-    raises :class:`InGraphDeclined` where that route cannot run it (see above)."""
-    with torch._C.DisableTorchFunction():
-        plan, r, _, opts = _forward_state(q, k, v, mask, None, roots, derivation, scale, False, gqa, backend, strict,
-                                          convention, float_mask, model, current_scope())
-        if r.impl is None:
-            raise InGraphDeclined(f"masked SDPA runs this mask ({r.reason or 'asked for'})")
-        # Under auto the graph's pick may differ from the general route's (kernels.in_graph_priority):
-        # it runs where it can run this plan.
-        if r.impl.NAME != chosen and not (backend == "auto" and execution.runs(q, k, v, plan, r.scale, opts, chosen)):
-            raise InGraphDeclined(f"backend {r.impl.NAME!r} runs this call, not {chosen!r}")
-        layout = static_layout_of(plan)
-        if layout is None:
-            raise InGraphDeclined("the mask is not one segment per batch element (a batch element with no "
-                                  "valid key, several segments in a row)")
-        if BACKENDS[chosen].TRACEABLE:  # traced into the graph: no Python of ours runs it; counted here
-            _stats.record_backend(chosen)
-        return layout.clone()
-
-
-@in_graph_plan_op.register_fake
-def _(q, k, v, mask, roots, derivation, scale, gqa, chosen, backend, strict, convention, float_mask, model):
-    b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    return q.new_empty((2 * b * sq + 2 * b * sk + 2 * (b + 1),), dtype=torch.int64)
+    dead, (order, inverse, cu_k, padding) = key_padding_side(mask4, batch=b, seqlen_k=sk)
+    # Rows past the last segment hold what the kernel leaves there: the gathers' backward fills
+    # their padded positions with zeros.
+    kp, vp = (gather_rows(t.flatten(0, 1), order, inverse, padding) for t in (k, v))
+    cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
+    out = _traced_kernel(chosen)(q.flatten(0, 1), kp, vp, cu_q, cu_k, sq, sk, scale)
+    out = out.view(b, sq, q.shape[2], v.shape[-1])
+    return out.masked_fill(dead.view(b, 1, 1, 1), 0)
 
 
 # The kernel of a backend whose interface dynamo cannot trace but which has its own forward and
@@ -800,10 +677,10 @@ def native_kernel_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor, cu_s
             out, lse = BACKENDS[backend].forward_lse(_static_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k,
                                                                     max_seqlen_q, max_seqlen_k, scale))
         except KernelRefusedError as e:
-            # The kernel was chosen when the block was traced. The block's boundary calls it again on
-            # the general route, whose selection reads the refusal (auto: the next backend; an
-            # explicit backend raises it there).
-            raise InGraphDeclined(f"{backend!r} refused the call: {e}") from e
+            # The kernel was chosen when the graph was traced, from its declared support.
+            raise KernelRefusedError(
+                f"{backend!r} refused a call it was traced into a compiled graph for: {e}. Enable with "
+                f"in_graph=False (the custom op, which chooses again), or pick another backend") from e
         _stats.record_backend(backend)
         return out.contiguous(), lse.float().contiguous()
 

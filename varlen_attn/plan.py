@@ -101,6 +101,9 @@ class VarlenPlan:
             padding after ``cu_seqlens[-1]`` where no kernel reads it; ``max_seqlen_q/k`` are the
             bounds ``Sq``/``Sk``, ``total_q/k`` are ``B*Sq``/``B*Sk``, and no segment length is on
             the host (``seqlens_q/k`` are empty). What CUDA graphs can capture.
+        dead: ``[B]`` bool on the device, or None: batch elements none of whose queries attends a
+            key. A static plan gives them one full segment (no kernel sees an empty one) and
+            attention zeroes their output rows, as SDPA returns zeros there.
         token: a one-element CPU tensor that stands for this plan where only tensors can go
             (a ``torch.compile`` graph passes it to the custom op in :mod:`varlen_attn.op`): it
             holds a number unique to the plan, which names the plan (also in a copy of the
@@ -133,12 +136,23 @@ class VarlenPlan:
     padding_q: torch.Tensor | None = None
     padding_k: torch.Tensor | None = None
     static: bool = False
-    token: torch.Tensor = dataclasses.field(init=False, repr=False)
+    dead: torch.Tensor | None = None
 
     def __post_init__(self):
-        ident = next(_token_ids)
-        object.__setattr__(self, "token", torch.tensor([ident], dtype=torch.int64))
-        _plans_by_token[ident] = self
+        # A static plan is built in an attention call for that call: its token, which only a plan
+        # handed to compiled code needs, is made on first use (a host tensor costs microseconds).
+        if not self.static:
+            self.token  # noqa: B018
+
+    @property
+    def token(self) -> torch.Tensor:
+        token = self.__dict__.get("_token")
+        if token is None:
+            ident = next(_token_ids)
+            token = torch.tensor([ident], dtype=torch.int64)
+            object.__setattr__(self, "_token", token)
+            _plans_by_token[ident] = self
+        return token
 
     def __reduce__(self):
         # Copies and pickles are rebuilt through the constructor, so each gets its own token.
@@ -590,3 +604,106 @@ def clear_plan_cache() -> None:
     and the cached all-valid plans. Plans already handed out stay valid."""
     _CACHE.clear()
     _FULL_PLANS.clear()
+
+
+# -- the plan of one attention call ----------------------------------------------------------
+
+_IDENTITY_CU: dict[tuple, torch.Tensor] = {}
+
+
+def _identity_cu(batch: int, seqlen: int, device: torch.device) -> torch.Tensor:
+    """``[0, S, 2S, ..., B*S]`` int32: every row valid, one segment per element (a constant per
+    shape and device, made once)."""
+    key = (batch, seqlen, device)
+    cu = _IDENTITY_CU.get(key)
+    if cu is None:
+        if len(_IDENTITY_CU) >= 64:
+            _IDENTITY_CU.clear()
+        cu = _IDENTITY_CU[key] = torch.arange(0, (batch + 1) * seqlen, seqlen, dtype=torch.int32, device=device)
+    return cu
+
+
+def padding_side(valid: torch.Tensor):
+    """``valid [B, S]`` -> ``(order, inverse, cu_seqlens int32, padding)`` of a static plan's side
+    (:attr:`VarlenPlan.static`): tensor ops only, no host read, so it traces into a graph."""
+    order, inverse, cu = _static_side(valid)
+    cu = cu.to(torch.int32)
+    return order, inverse, cu, inverse >= cu[-1]
+
+
+def key_padding_side(mask4: torch.Tensor, *, batch: int, seqlen_k: int):
+    """A boolean key-padding mask ``[B|1, 1, 1, Sk]`` -> ``(dead [B], key side)``: the elements
+    with no valid key (:attr:`VarlenPlan.dead`), and :func:`padding_side` of the valid keys,
+    where a dead element keeps all its keys (one full segment, never an empty one). Traces."""
+    valid = mask4[:, 0, 0].expand(batch, seqlen_k)
+    dead = valid.any(dim=1).logical_not()
+    return dead, padding_side(valid | dead[:, None])
+
+
+def _padding_plan(batch: int, sq: int, sk: int, q_side, k_side, dead, read_as_bool: bool = False) -> VarlenPlan:
+    """A static plan (:attr:`VarlenPlan.static`) from its sides (:func:`padding_side`); ``q_side``
+    None: every query row in its place (nothing to gather)."""
+    pq, iq, cq, padq = q_side if q_side is not None else (None, None, _identity_cu(batch, sq, k_side[2].device), None)
+    pk, ik, ck, padk = k_side
+    return VarlenPlan(
+        batch_size=batch, seqlen_q=sq, seqlen_k=sk, packable=True, device=ck.device,
+        cu_seqlens_q=cq, cu_seqlens_k=ck, indices_q=pq, indices_k=pk,
+        max_seqlen_q=sq, max_seqlen_k=sk, total_q=batch * sq, total_k=batch * sk,
+        q_identity=q_side is None, inverse_q=iq, inverse_k=ik, padding_q=padq, padding_k=padk,
+        static=True, dead=dead, read_as_bool=read_as_bool,
+    )
+
+
+def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
+              float01_as_bool: bool = False) -> VarlenPlan:
+    """The plan of one attention call, built from that call's own mask ``mask4`` (its
+    ``[B|1, H|1, Sq|1, Sk]`` view, :func:`~varlen_attn.masks.canonical_mask`): nothing is cached,
+    so nothing has to be proven equal to an earlier mask.
+
+    * A boolean key-padding mask (``[B|1, 1, 1, Sk]``: every query attends the same keys): a
+      static plan on the device with **no host read**; queries stay in place.
+    * Any other mask: read as a padding mask on the device
+      (:func:`~varlen_attn.masks.read_padding`), its flags and two facts in **one** host read;
+      a padding mask gets a static plan (queries in place where all are valid), an unpackable one
+      a plan that says why, and a mask of several segments per element the general plan
+      (:func:`build_plan`, one more read).
+
+    An element none of whose queries attends a key (caption dropout on a key-padding mask, an
+    all-masked row) keeps one full segment, so no kernel sees an empty one, and is named in
+    :attr:`VarlenPlan.dead`: attention zeroes its rows, as SDPA returns zeros there."""
+    _stats.record_plan_build()
+    if is_key_padding(mask4):
+        dead, k_side = key_padding_side(mask4, batch=batch, seqlen_k=seqlen_k)
+        return _padding_plan(batch, seqlen_q, seqlen_k, None, k_side, dead)
+    m4, as_bool = mask4, None
+    if float01_as_bool and m4.is_floating_point():
+        m4, as_bool = read_float01_as_bool(m4)
+    valid_q, valid_k, flags = read_padding(m4, batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    dead = valid_k.any(dim=1).logical_not_()
+    # Self-attention whose queries and keys are the same positions: causal by rank in a segment
+    # is causal by position there (VarlenPlan.self_aligned).
+    aligned = (valid_q == valid_k).all() if seqlen_q == seqlen_k else dead.new_zeros(())
+    facts = [valid_q.all(), dead.any(), aligned] + ([] if as_bool is None else [as_bool])
+    host = _host(torch.cat([flags, torch.stack(facts).to(torch.int64)]))
+    n = len(PADDING_FLAG_NAMES)
+    found = dict(zip(PADDING_FLAG_NAMES, host[:n]))
+    all_q, any_dead, aligned = host[n], host[n + 1], bool(host[n + 2])
+    read_as_bool = as_bool is not None and bool(host[n + 3])
+    refuse_nan_inf(found, mask4.dtype, mask4.shape)
+    reason = unpackable_reason({k: v for k, v in found.items() if k != "not_padding"})
+    if reason is not None:
+        return VarlenPlan(batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, packable=False,
+                          reason=reason, device=mask4.device, read_as_bool=read_as_bool)
+    if found["not_padding"]:
+        return _build(mask4, batch, seqlen_q, seqlen_k, None, "torch", float01_as_bool)
+    if any_dead:
+        valid_q, valid_k = valid_q | dead[:, None], valid_k | dead[:, None]
+    plan = _padding_plan(batch, seqlen_q, seqlen_k, None if all_q else padding_side(valid_q), padding_side(valid_k),
+                         dead if any_dead else None, read_as_bool)
+    return dataclasses.replace(plan, self_aligned=True) if aligned else plan
+
+
+def is_key_padding(mask4: torch.Tensor) -> bool:
+    """A ``[B|1, H|1, Sq|1, Sk]`` mask is a boolean key-padding mask: every query of an element,
+    in every head, keeps the same keys (read from its dtype and shape, known while tracing)."""
+    return mask4.dtype == torch.bool and mask4.shape[1] == 1 and mask4.shape[2] == 1

@@ -17,8 +17,8 @@ import inspect
 import torch
 
 from ._errors import InputTypeError, InputValueError, describe
-from .hook import active
-from .scope import Policy, Scope, current_scope
+from .hook import Entry, active, current, install
+from .policy import Policy
 
 _WHAT_TO_DO = (
     "diffusers' set_attn_processor/set_processor replace a module's processor without passing on "
@@ -70,14 +70,15 @@ class VarlenAttnProcessor:
         if isinstance(processor, type) or not callable(processor):
             raise InputTypeError(f"processor must be an attention processor instance, got {describe(processor)}")
         Policy.of(backend, strict)  # validate now; $VARLEN_ATTN_BACKEND is read per call
+        install()
         self.processor = processor
         self.backend, self.strict = backend, strict
 
     def __call__(self, attn, *args, **kwargs):
-        scope = current_scope()
-        if scope is None:
-            scope = Scope(Policy.of(self.backend, self.strict, "bias", model=True), adopts=False)
-        with active(scope, mode=True):  # the processor's masks need not derive from the model's
+        entry = current()  # inside an enabled model: its policy
+        if entry is None:
+            entry = Entry(Policy.of(self.backend, self.strict, "bias", model=True))
+        with active(entry):
             return self.processor(attn, *args, **kwargs)
 
     def __reduce__(self):

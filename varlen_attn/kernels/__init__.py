@@ -14,7 +14,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .._errors import BackendUnavailableError, InputValueError
-from ._base import Backend, VarlenInputs
+from ._base import TORCH_SDPA, Backend, VarlenInputs
 from .flash import FlashAttn2Backend, FlashAttn3Backend, FlashAttn4Backend
 from .flex import FlexBackend
 from .reference import ReferenceBackend
@@ -145,5 +145,5 @@ def available_backends(device: torch.device | str = "cpu") -> list[str]:
             if BACKENDS[n].installed() and device.type in BACKENDS[n].SUPPORTED_DEVICES]
 
 
-__all__ = ["BACKENDS", "PRIORITY", "TRACED_FIRST", "TRACED_FIRST_MAX_KEYS", "Backend", "VarlenInputs", "available_backends",
+__all__ = ["BACKENDS", "PRIORITY", "TORCH_SDPA", "TRACED_FIRST", "TRACED_FIRST_MAX_KEYS", "Backend", "VarlenInputs", "available_backends",
            "in_graph_priority", "priority", "rows_are_short", "select"]

@@ -18,6 +18,10 @@ import torch
 
 from ..plan import VarlenPlan
 
+# torch's own SDPA, for every call varlen_attn makes itself: enable_varlen replaces the attribute
+# ``torch.nn.functional.scaled_dot_product_attention`` (varlen_attn.hook), not this function.
+TORCH_SDPA = torch._C._nn.scaled_dot_product_attention
+
 
 @dataclass(frozen=True)
 class VarlenInputs:

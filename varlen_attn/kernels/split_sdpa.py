@@ -7,24 +7,36 @@ Needs nothing beyond torch. Each call is unmasked, so SDPA can take its fastest 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ._base import Backend, VarlenInputs, empty_output
+from ._base import TORCH_SDPA, Backend, VarlenInputs, empty_output
 
 
 class SplitSdpaBackend(Backend):
     NAME = "split_sdpa"
+    # On the CPU only: a static plan's lengths are read from its cu_seqlens on the host, which
+    # there is no sync (on a GPU it would be one per call).
+    STATIC_PLANS = True
+
+    def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
+        reasons = super().not_supported_reasons(inp)
+        if inp.plan.static and inp.q.device.type != "cpu":
+            reasons.append("reads a static plan's lengths on the host (CPU only)")
+        return reasons
 
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
         p = inp.plan
         gqa = inp.q.shape[1] != inp.k.shape[1]
         outs = []
+        lens_q, lens_k = list(p.seqlens_q), list(p.seqlens_k)
+        if p.static:  # the rows past cu_seqlens[-1] are padding: one more split each, not attended
+            lens_q, lens_k = _lengths(p.cu_seqlens_q), _lengths(p.cu_seqlens_k)
         # torch.split, not one slice per segment: split's backward is one cat, while each
         # slice's backward zero-fills a full-size gradient (benchmarks/NOTES.md, change 1).
-        qs = torch.split(inp.q, list(p.seqlens_q))
-        ks = torch.split(inp.k, list(p.seqlens_k))
-        vs = torch.split(inp.v, list(p.seqlens_k))
-        for q, k, v in zip(qs, ks, vs):
+        rest_q, rest_k = inp.q.shape[0] - sum(lens_q), inp.k.shape[0] - sum(lens_k)
+        qs = torch.split(inp.q, lens_q + [rest_q] if rest_q else lens_q)
+        ks = torch.split(inp.k, lens_k + [rest_k] if rest_k else lens_k)
+        vs = torch.split(inp.v, lens_k + [rest_k] if rest_k else lens_k)
+        for q, k, v in zip(qs[:len(lens_q)], ks, vs):
             lq, lk = q.shape[0], k.shape[0]
             # [L, H, D] -> [1, H, L, D], SDPA's layout.
             q, k, v = (t.transpose(0, 1)[None] for t in (q, k, v))
@@ -38,11 +50,17 @@ class SplitSdpaBackend(Backend):
                 # flash-attn aligns causal masks bottom-right; SDPA's is_causal is top-left.
                 # Rows left with no key come out as zeros (SDPA >= 2.5), as in flash-attn.
                 mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-            o = F.scaled_dot_product_attention(
+            o = TORCH_SDPA(
                 q, k, v, attn_mask=mask, dropout_p=inp.dropout_p, is_causal=is_causal,
                 scale=inp.scale, enable_gqa=gqa,
             )
             outs.append(o[0].transpose(0, 1))
+        if rest_q:
+            outs.append(inp.q.new_zeros(rest_q, inp.q.shape[1], inp.v.shape[-1]))
         if not outs:
             return empty_output(inp)
         return torch.cat(outs, dim=0)
+
+
+def _lengths(cu: torch.Tensor) -> list[int]:
+    return cu.diff().tolist()
