@@ -426,7 +426,13 @@ class HostReads:
         self.on = False
 
 
-IN_GRAPH_OP = "varlen_attn.in_graph_plan.default"  # in a graph that runs attention in the graph
+def ran_in_graph(ops: set) -> bool:
+    """A compiled graph's ops (:class:`Recording`, as dynamo traced them) ran attention in the graph
+    itself (varlen_attn.op, "In the graph"): keys gathered by the traced plan (varlen_attn.pack's
+    autograd function), and neither varlen_attn's custom op (which reads the host at run time)
+    nor masked SDPA."""
+    return ("autograd_function_apply" in ops and not any(o.startswith("varlen_attn.attention") for o in ops)
+            and not any("scaled_dot_product" in o for o in ops))
 
 
 class Recording:

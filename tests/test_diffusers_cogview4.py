@@ -1,15 +1,16 @@
 """CogView4 (diffusers ``CogView4Transformer2DModel``) with its training attention processor
 (``CogView4TrainingAttnProcessor``, the one for masked training: the mask comes in as
 ``attention_kwargs={"text_attn_mask": int32 [B, T]}``) under ``enable_varlen``: outputs and the
-gradient of every parameter equal the stock model's, in float64 on the CPU, and one plan per forward.
+gradient of every parameter equal the stock model's, in float64 on the CPU, and one plan per
+masked attention call.
 
 In every attention module, before its first submodule call, the processor makes the joint mask
 from a non-bool factory output: ``torch.ones(B, T + N, dtype=torch.int32)`` (and another for the
 image tokens), writes the text mask into it, then ``unsqueeze(2).to(dtype)``, its outer product
-(``@``), ``.to(torch.bool)`` and ``unsqueeze(1)``. The int32 tensor stays a plain tensor (only a
-bool factory output becomes a tracked mask), so the hook follows calls on the plain tensors it
-keyed there too; else the mask reached SDPA unkeyed: a plan in every layer, or, where the hook
-had left at the module's first submodule call, stock SDPA for the whole forward.
+(``@``), ``.to(torch.bool)`` and ``unsqueeze(1)``: a ``[B, 1, N, N]`` outer-product mask. Every
+call must still be varlen_attn's (none left to stock SDPA), each building its own plan from that
+mask with one host read (it is not a key-padding mask); with checkpointing each recomputed call
+builds one more.
 (The default processor passes a float 0/1 matrix that SDPA adds as a bias; see
 ``docs/troubleshooting.md``.)
 """
@@ -56,14 +57,15 @@ def inputs(lengths, seed):
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["eager", "checkpointing"])
-def test_cogview4_training_processor_equals_stock_with_one_plan(checkpointing):
+def test_cogview4_training_processor_equals_stock_with_one_plan_per_call(checkpointing):
     stock, model = stock_and_enabled(cogview4(), checkpointing)
-    for i, lengths in enumerate(([6, 3, 1], [2, 6, 4], [5, 1, 3])):  # learned on the first, then followed
+    for i, lengths in enumerate(([6, 3, 1], [2, 6, 4], [5, 1, 3])):  # a new batch every step
         batch = inputs(lengths, seed=i)
         va.reset_stats()
         got = step(model, {**batch, "attention_kwargs": {"text_attn_mask": batch["attention_kwargs"]["text_attn_mask"].clone()}})
         st = va.stats()
         assert_model_close(got, step(stock, batch), what=f"cogview4 {lengths}")
         assert st["fallbacks"] == {}, st
-        assert st["backends"] == {"split_sdpa": 2 * (2 if checkpointing else 1)}, (lengths, st)  # no call left to stock SDPA
-        assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (lengths, st)
+        calls = 2 * (2 if checkpointing else 1)  # 2 layers (and their recomputation)
+        assert st["backends"] == {"split_sdpa": calls}, (lengths, st)  # no call left to stock SDPA
+        assert st["plan_builds"] == calls and st["host_syncs"] == calls, (lengths, st)

@@ -18,12 +18,12 @@ Where masks reach attention in HunyuanVideo (diffusers 0.42), from its one mask 
    padding mask over ``[image; text]`` (image first), valid keys = image + the first
    ``sum(m)`` text tokens: always packable.
 
-Plan builds per forward: one per distinct derived mask, i.e. 2 with one refiner layer: one for
-the joint mask (its derivation ``torch.ones`` / ``sum`` / ``arange`` / ``>=`` / ``masked_fill`` /
-``unsqueeze`` is tracked, so every dual and single block shares the plan), one for the refiner's
-mask (built even when it then turns out not packable). Caveat (see the xfail test at the end):
-the in-place ``mask[:, :, :, 0] = True`` defeats derivation tracking, so the refiner mask is
-planned once per *refiner layer*, not once per forward.
+Plan builds and host reads (``va.stats()``): every masked attention call builds its own plan
+from its own mask, so a forward builds one plan per refiner layer, per dual-stream block and per
+single-stream block (3 for the tiny model), and a checkpointed block's recomputation in backward
+builds one more per call. The joint mask is a boolean key-padding mask: its plans cost no host
+read. The refiner's ``[B, 1, T, T]`` mask (``[B, H, T, T]`` once the processor repeats it per
+head) is read on the host once per call, also when it then turns out not packable.
 
 Empty prompt: stock diffusers divides by ``mask.sum() == 0`` when pooling the text in
 ``HunyuanVideoTokenRefiner`` and returns NaN for that sample (and NaN in every parameter
@@ -54,6 +54,19 @@ STRUCTURE = (
     "different key sets (e.g. causal, sliding-window or arbitrary per-query masks)"
 )
 # Tolerance: _testing.assert_model_close (floor only: float64 stock vs float64 varlen).
+
+# Masked attention calls of one forward of the tiny model (``hunyuan_model()``): one refiner
+# layer; one dual-stream and one single-stream block, which share the joint key-padding mask.
+REFINER_CALLS, JOINT_CALLS = 1, 2
+
+
+def assert_counts(st, refiner_calls=REFINER_CALLS, joint_calls=JOINT_CALLS, unpackable_refiner=False):
+    """One plan build per masked attention call; no host read for the joint calls (a boolean
+    key-padding mask), one per refiner call (its ``[B, H, T, T]`` mask, read as a padding mask),
+    and a second one where that mask is not a padding mask (``unpackable_refiner``: read in full
+    to find whether it is packable at all)."""
+    assert st["plan_builds"] == refiner_calls + joint_calls, st
+    assert st["host_syncs"] == refiner_calls * (2 if unpackable_refiner else 1), st
 
 
 
@@ -146,9 +159,7 @@ def test_packable_batches_equal_stock(model, case, backend):
     got = varlen_case(model, case, rows, guard, backend)
     assert_model_close(got[:2], ref, what=f"hunyuan/{case}/{backend}")
     st = got[2]
-    # 1 plan for the joint [B,1,1,N] mask (shared by the dual and the single block) + 1 for the
-    # refiner's [B,1,T,T] mask.
-    assert st["plan_builds"] == 2
+    assert_counts(st)
     assert st["fallbacks"] == {}
     # 1 refiner + 1 dual + 1 single attention, all packed.
     assert st["backends"] == {("split_sdpa" if backend == "auto" else backend): 3}
@@ -161,7 +172,7 @@ def test_unpackable_refiner_mask_falls_back_under_auto(model, case):
     got = varlen_case(model, case, rows, guard, "auto")
     assert_model_close(got[:2], ref, what=f"hunyuan/{case}/auto")
     st = got[2]
-    assert st["plan_builds"] == 2  # the refiner's plan is still built (it finds the mask unpackable)
+    assert_counts(st, unpackable_refiner=True)  # the refiner's plan is still built (it finds the mask unpackable)
     assert st["fallbacks"] == {STRUCTURE: 1}  # only the refiner; joint attention packs
     assert st["backends"] == {"sdpa": 1, "split_sdpa": 2}
 
@@ -186,9 +197,9 @@ def test_gradient_checkpointing_equals_stock_without(model, backend):
     assert not model.gradient_checkpointing
     assert_model_close(got[:2], ref, what=f"hunyuan/checkpointing/{name}/{backend}")
     st = got[2]
-    # Recomputation in backward re-enters the forward's context: the same 2 plans, no rebuild.
-    assert st["plan_builds"] == 2
-    # Dual + single block run twice (forward, recompute); the refiner is not checkpointed.
+    # Dual + single block run twice (forward, recompute), each call with its own plan; the
+    # refiner is not checkpointed.
+    assert_counts(st, joint_calls=2 * JOINT_CALLS, unpackable_refiner=backend == "auto")
     if backend == "auto":
         assert st["fallbacks"] == {STRUCTURE: 1}
         assert st["backends"] == {"sdpa": 1, "split_sdpa": 4}
@@ -207,7 +218,7 @@ def test_pipeline_mask_dtypes(model, dtype, caplog):
     with caplog.at_level(logging.WARNING, logger="varlen_attn"):
         got = run_varlen(model, inp, mask, "auto")
     assert_model_close(got[:2], ref, what=f"hunyuan/mask {dtype}")
-    assert got[2]["plan_builds"] == 2
+    assert_counts(got[2], unpackable_refiner=True)
     assert got[2]["fallbacks"] == {STRUCTURE: 1}
 
 
@@ -249,37 +260,44 @@ def _refiner_packable(m: torch.Tensor) -> bool:
     return bool(m.all()) or not bool(m[1:].any())
 
 
-def test_refiner_packability_all_masks():
+@pytest.fixture(scope="module")
+def refiner():
+    return hunyuan_model().context_embedder
+
+
+@pytest.mark.parametrize("bits", range(16))
+def test_refiner_packability_all_masks(refiner, bits):
     """Every [1, 4] text mask through the token refiner alone (HunyuanVideoTokenRefiner, whose
-    mask input is ``attention_mask``): falls back exactly when the rule says, equal to stock."""
-    refiner = hunyuan_model().context_embedder
+    mask input is ``attention_mask``): falls back exactly when the rule says, equal to stock; one
+    plan (one host read) for its one masked call."""
     g = torch.Generator().manual_seed(3)
     x = torch.randn(1, 4, HY_TEXT_DIM, generator=g, dtype=torch.float64)
     t = torch.tensor([400])
-    for bits in range(16):
-        m = torch.tensor([[(bits >> i) & 1 for i in range(4)]], dtype=torch.bool)
-        ref = refiner(x, t, m)
-        va.enable_varlen(refiner, backend="auto")
-        try:
-            va.reset_stats()
-            got = refiner(x, t, m)
-        finally:
-            va.disable_varlen(refiner)
-        st = va.stats()
-        packable = _refiner_packable(m[0])
-        assert st["plan_builds"] == 1, m
-        assert st["fallbacks"] == ({} if packable else {STRUCTURE: 1}), m
-        # The empty mask gives NaN in both (pooling 0/0), hence equal_nan.
-        assert_model_close(got, ref, what=f"hunyuan/refiner, mask {m.tolist()}", equal_nan=True)
+    m = torch.tensor([[(bits >> i) & 1 for i in range(4)]], dtype=torch.bool)
+    ref = refiner(x, t, m)
+    va.enable_varlen(refiner, backend="auto")
+    try:
+        va.reset_stats()
+        got = refiner(x, t, m)
+    finally:
+        va.disable_varlen(refiner)
+    st = va.stats()
+    packable = _refiner_packable(m[0])
+    # The empty mask gives NaN in both (pooling 0/0), hence equal_nan.
+    assert_model_close(got, ref, what=f"hunyuan/refiner, mask {m.tolist()}", equal_nan=True)
+    assert st["fallbacks"] == ({} if packable else {STRUCTURE: 1}), (m, st)
+    assert st["plan_builds"] == 1 and st["host_syncs"] == (1 if packable else 2), (m, st)
 
 
-# The refiner's in-place `mask[:, :, :, 0] = True` is re-keyed (not forgotten), so its mask is
-# planned once per forward however many refiner layers there are.
-def test_plan_builds_once_per_forward_with_two_refiner_layers():
-    m = hunyuan_model(num_refiner_layers=2, num_layers=2)  # diffusers' default has 2 refiner layers
+def test_one_plan_per_call_with_two_refiner_layers():
+    """Two refiner layers (diffusers' default) and two blocks of each kind: equal to stock, and
+    every masked call builds its own plan (2 refiner calls with a host read each, 4 joint calls
+    without)."""
+    m = hunyuan_model(num_refiner_layers=2, num_layers=2)
     rows = [6, 1]
     inp, mask = hunyuan_inputs(2), hunyuan_text_mask(rows)
     ref = run(m, inp, mask)
     got = run_varlen(m, inp, mask, "split_sdpa")
-    assert_model_close(got[:2], ref, what="hunyuan/two refiner layers")  # results are right either way
-    assert got[2]["plan_builds"] == 2
+    assert_model_close(got[:2], ref, what="hunyuan/two refiner layers")
+    assert_counts(got[2], refiner_calls=2, joint_calls=4)
+    assert got[2]["fallbacks"] == {} and got[2]["backends"] == {"split_sdpa": 6}

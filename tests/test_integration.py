@@ -1,5 +1,9 @@
 """enable_varlen on a tiny Chroma (joint text-first sequence, outer-product mask re-derived in every
-block), gradient checkpointing, the float-mask policy, plan lifetime, threads, processors."""
+block), gradient checkpointing, the float-mask policy, plan lifetime, threads, processors.
+
+Every masked attention call builds its plan from its own mask: Chroma's ``[B, 1, S, S]``
+outer-product masks cost one host read per call (a bulk copy, no ``.item()`` or ``nonzero``);
+a checkpoint's recomputation calls attention again, and builds again."""
 
 import gc
 import inspect
@@ -14,7 +18,6 @@ import torch.utils.checkpoint
 import varlen_attn as va
 from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 from _testing import CopySaved, CountSyncs, assert_model_close, assert_model_equal, checkpoint_blocks
-from varlen_attn.scope import Scope
 
 diffusers = pytest.importorskip("diffusers", reason="the diffusers extra is not installed")
 
@@ -52,7 +55,8 @@ def test_chroma_equals_stock(chroma, stock, backend, lengths):
     finally:
         va.disable_varlen(chroma)
     assert_model_close(got, ref, what=f"chroma/{lengths}/{backend}")
-    assert st["plan_builds"] == 1 and st["host_syncs"] == 1  # once per forward, for 4 blocks
+    # one plan per attention call, one host read each (outer-product masks)
+    assert st["plan_builds"] == st["host_syncs"] == CHROMA_ATTN_LAYERS, st
     assert st["fallbacks"] == {}
     assert st["backends"].get("split_sdpa" if backend == "auto" else backend) == CHROMA_ATTN_LAYERS
 
@@ -64,10 +68,12 @@ def test_chroma_without_mask_is_untouched(chroma, stock):
         got = step(chroma, chroma_inputs(with_mask=False))
     assert_model_equal(got, ref)
     # Every SDPA call is stock's own, untouched and not counted.
-    assert va.stats()["plan_builds"] == 0 and va.stats()["backends"] == {}
+    assert va.stats()["plan_builds"] == va.stats()["host_syncs"] == 0 and va.stats()["backends"] == {}
 
 
-def test_plan_once_per_forward_and_no_sync_per_layer(chroma):
+def test_one_plan_and_one_bulk_read_per_attention_call(chroma):
+    """Three steps: each attention call builds its plan with one host read, a bulk copy: none of
+    the syncing ops (``.item()``, ``nonzero``, ...) beyond those the stock model makes itself."""
     inputs = chroma_inputs()
     with CountSyncs() as stock_ops:
         step(chroma, inputs)
@@ -80,10 +86,10 @@ def test_plan_once_per_forward_and_no_sync_per_layer(chroma):
     finally:
         va.disable_varlen(chroma)
     assert ours.ops == stock_ops.ops * 3  # no .item()/nonzero of ours, whatever the model does itself
-    assert va.stats()["plan_builds"] == 3 and va.stats()["host_syncs"] == 3
+    assert va.stats()["plan_builds"] == va.stats()["host_syncs"] == 3 * CHROMA_ATTN_LAYERS, va.stats()
 
 
-def test_gradient_checkpointing_keeps_the_mask_and_the_plan(stock):
+def test_gradient_checkpointing_keeps_the_mask(stock):
     model = tiny_chroma()
     inputs = chroma_inputs()
     ref = stock()  # no checkpointing, mask applied everywhere
@@ -96,8 +102,9 @@ def test_gradient_checkpointing_keeps_the_mask_and_the_plan(stock):
     got = step(model, inputs)
     st = va.stats()
     assert_model_close(got, ref, what="chroma/checkpointing")  # the mask applies with checkpointing too
-    # 4 attention calls forward + 4 recomputed in backward, one plan, one sync.
-    assert st["plan_builds"] == 1 and st["host_syncs"] == 1 and st["backends"] == {"split_sdpa": 8}
+    # 4 attention calls forward + 4 recomputed in backward, each with its own plan and host read.
+    calls = 2 * CHROMA_ATTN_LAYERS
+    assert st["plan_builds"] == st["host_syncs"] == calls and st["backends"] == {"split_sdpa": calls}, st
     va.disable_varlen(model)
     va.enable_varlen(model, restore_checkpoint_mask=False)
     # opt-out: stock behaviour
@@ -111,14 +118,11 @@ def test_gradient_checkpointing_keeps_the_mask_and_the_plan(stock):
                                                              (True, True, "auto")])
 def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, backend):
     """Blocks the caller checkpoints with torch.utils.checkpoint directly (eagerly, or around
-    compiled blocks): the recomputation, which runs in backward outside the forward, re-enters
-    the forward's scope (non-reentrant: through the checkpoint's own frame), so it takes the
-    forward's plan and kernels and torch's checkpoint finds the same tensors saved; steps with
-    a new mask each, the first tracked by the mode and the later by tracked masks, equal
-    stock checkpointed the same way, one plan and one host read each. A reentrant checkpoint
-    recomputes outside the scope (it compares nothing), with equal results: eagerly on stock
-    SDPA (a guard: this worked before the change too), around compiled blocks on the custom op,
-    which plans again there.
+    compiled blocks), reentrant or not: the recomputation, which runs in backward outside the
+    model's forward, runs on varlen again (the attention modules' hooks, or a compiled block's
+    boundary, put the model's policy on the thread), so torch's checkpoint finds the same tensors
+    saved. Three steps with a new mask each equal stock checkpointed the same way, with one plan
+    and one host read per attention call, forward and recomputation alike.
     Compiled blocks on both routes: the custom op (auto) and attention in the graph
     (``reference``, whose dense form traces)."""
     stock = checkpoint_blocks(tiny_chroma(), use_reentrant, None if compiled is None else False)
@@ -128,11 +132,8 @@ def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, 
         got = step(model, chroma_inputs(lengths, seed=i))
         st = va.stats()
         assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
-        # A reentrant recomputation of compiled blocks runs the custom op outside the scope: it
-        # plans each block's mask again (docs/troubleshooting.md).
-        plans = 1 + (CHROMA_ATTN_LAYERS if use_reentrant and compiled else 0)
-        assert st["plan_builds"] == plans and st["host_syncs"] == plans and not st["fallbacks"], (lengths, st)
-        calls = CHROMA_ATTN_LAYERS * (1 if use_reentrant and not compiled else 2)
+        calls = 2 * CHROMA_ATTN_LAYERS  # forward and recomputation
+        assert st["plan_builds"] == st["host_syncs"] == calls and not st["fallbacks"], (lengths, st)
         assert sum(st["backends"].values()) == calls, (lengths, st)
 
 
@@ -142,9 +143,9 @@ def test_a_whole_model_compiled_with_blocks_checkpointed_by_the_caller_runs_varl
     """The whole model compiled around blocks the caller checkpoints with torch.utils.checkpoint
     (not diffusers' checkpoint function): dynamo traces the checkpointed body without the modes
     active around it, so before, attention there ran stock SDPA unseen (nothing counted, and
-    ``strict`` held nothing). The hook traces the body again under itself now: every attention
-    call of the forward and of its recomputation goes to varlen_attn, equal to stock, and the
-    mask Chroma derives in each block is followed there (one plan, one host read per step)."""
+    ``strict`` held nothing). Now every attention call of the forward and of its recomputation
+    goes to varlen_attn, equal to stock, each building its plan from the mask Chroma derives in
+    its block (one plan and one host read per call)."""
     stock = checkpoint_blocks(tiny_chroma())
     model = va.enable_varlen(checkpoint_blocks(tiny_chroma()), strict=strict)
     run = torch.compile(model, fullgraph=True, backend="aot_eager")
@@ -155,15 +156,15 @@ def test_a_whole_model_compiled_with_blocks_checkpointed_by_the_caller_runs_varl
         got = (got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()})
         assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
         assert st["backends"] == {"split_sdpa": 2 * CHROMA_ATTN_LAYERS} and not st["fallbacks"], (lengths, st)
-        assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (lengths, st)
+        assert st["plan_builds"] == st["host_syncs"] == 2 * CHROMA_ATTN_LAYERS, (lengths, st)
 
 
 def test_a_checkpoint_around_an_enabled_forward_and_more_is_left_as_it_is():
     """A checkpoint the caller puts around an enabled model's whole forward *and* masked
-    attention outside the model: its recomputation runs the forward again in a scope of its
-    own, and the attention outside stays stock SDPA, as in the forward (adopting that
-    checkpoint made the recomputation route it, and torch's checkpoint stopped: "Recomputed
-    values ... have different metadata"). Two steps: tracked by the mode, then by tracked masks."""
+    attention outside the model: its recomputation runs the model's forward again, with its
+    hooks, on varlen, and the attention outside stays stock SDPA (not counted), as in the
+    forward (routing it in the recomputation only would make torch's checkpoint stop:
+    "Recomputed values ... have different metadata"). Two steps, each with its own mask."""
     def run(model, inputs):
         keep = inputs["attention_mask"][:, -inputs["hidden_states"].shape[1]:].clone()
         keep[0, 3:] = False  # padded keys for the attention outside the model
@@ -191,9 +192,8 @@ def test_processors_in_a_block_the_caller_checkpoints_keep_their_own_policies():
     """A block the caller checkpoints, whose attention modules run a ``VarlenAttnProcessor``
     (one ``strict``; the other also given a mask it cannot pack, which it runs on masked SDPA)
     and a stock processor, outside any enabled model: each
-    processor's recomputation runs as its forward did, on its own one-call scope (adopting the
-    first processor's scope routed the stock module's recomputation too, and ran the other
-    processor's under the first one's policy)."""
+    processor's recomputation runs as its forward did, under its own policy, and the stock
+    module's stays stock SDPA (not counted)."""
     heads, dim, s = 2, 8, 12
 
     class Inner:
@@ -241,9 +241,9 @@ def test_processors_in_a_block_the_caller_checkpoints_keep_their_own_policies():
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_hooks_that_copy_saved_tensors_leave_steps_equal_to_stock(checkpointing):
     """Under saved-tensor hooks that copy what autograd saves (offloading), a checkpointed block's
-    recomputation gets copies of its inputs, the masks among them plain and unkeyed: every step
-    (the first, which follows masks under the mode, and the later ones, which track them) still
-    routes every attention call, the recomputed ones too, and equals stock under the same hooks."""
+    recomputation gets copies of its inputs, the masks among them: every step still routes every
+    attention call, the recomputed ones too, each with a plan built from the mask it gets, and
+    equals stock under the same hooks."""
     # Stock without checkpointing: diffusers' checkpointed Chroma drops the mask in its single blocks.
     stock, model = tiny_chroma(), va.enable_varlen(tiny_chroma())
     if checkpointing:
@@ -257,7 +257,7 @@ def test_hooks_that_copy_saved_tensors_leave_steps_equal_to_stock(checkpointing)
             got = step(model, inputs)
         st = va.stats()
         assert hooks.copied > 0
-        assert st["plan_builds"] == 1 and sum(st["backends"].values()) == calls, (i, st)
+        assert st["plan_builds"] == calls and sum(st["backends"].values()) == calls, (i, st)
         with CopySaved():
             want = step(stock, inputs)
         assert_model_close(got, want, what=f"step {i} {lengths}")
@@ -273,7 +273,8 @@ def test_float_mask_policy(chroma, stock, caplog):
             va.reset_stats()
             got = step(chroma, float_inputs)
             step(chroma, float_inputs)
-            assert va.stats()["fallbacks"] == {} and va.stats()["plan_builds"] == 2
+            # two steps, one plan per attention call (the 0/1 outer products read as boolean)
+            assert va.stats()["fallbacks"] == {} and va.stats()["plan_builds"] == 2 * CHROMA_ATTN_LAYERS
     assert_model_close(got, bool_ref, what="chroma/float 0-1 mask, policy bool")
     assert sum("float 0/1" in r.message for r in caplog.records) <= 1
     with va.varlen(chroma, float_mask="bias"):
@@ -291,15 +292,31 @@ def test_float_mask_policy(chroma, stock, caplog):
 
 
 def test_disable_restores_exactly():
+    """enable_varlen adds forward hooks (the model's and its attention modules') and never
+    replaces ``forward``; disable_varlen removes exactly those hooks, and a hook of the user's
+    stays where it was."""
+    def hooks(model):
+        return {n: (list(m._forward_pre_hooks.values()), list(m._forward_hooks.values()))
+                for n, m in model.named_modules()}
+
     model = tiny_chroma()
+    own = model.transformer_blocks[0].attn.register_forward_hook(lambda *a: None)
     procs = {n: p for n, p in model.attn_processors.items()}
     forward_before = model.forward
+    hooks_before = hooks(model)
     va.enable_varlen(model)
     va.enable_varlen(model)  # twice is harmless
+    assert "forward" not in model.__dict__ and hasattr(model, "_varlen_state")
+    added = {n: (len(pre) - len(hooks_before[n][0]), len(post) - len(hooks_before[n][1]))
+             for n, (pre, post) in hooks(model).items()}
+    attention = {n for n, m in model.named_modules() if getattr(m, "processor", None) is not None}
+    assert added == {n: (1, 1) if n == "" or n in attention else (0, 0) for n in added}, added
     va.disable_varlen(model)
     assert "forward" not in model.__dict__ and model.forward == forward_before
     assert all(model.attn_processors[n] is p for n, p in procs.items())
     assert not hasattr(model, "_varlen_state")
+    assert hooks(model) == hooks_before
+    own.remove()
 
 
 def test_diffusers_attention_backend_is_native_while_enabled():
@@ -347,16 +364,25 @@ class ToyAttention(torch.nn.Module):
 
 
 def test_no_growth_over_1000_steps():
+    """1000 steps, a new mask each: one plan per attention call (two layers), none kept once
+    its step is done, and this thread's stack of entries empty after each forward."""
+    from varlen_attn.hook import current
+    from varlen_attn.plan import _CACHE
+
+    def plans_alive():
+        gc.collect()
+        return sum(isinstance(o, va.VarlenPlan) for o in gc.get_objects())
+
     model = va.enable_varlen(ToyAttention())
     x = torch.randn(2, 12, 16)
+    before = plans_alive()
     va.reset_stats()
     for i in range(1000):
         mask = torch.arange(4)[None] < torch.tensor([i % 5, (i + 2) % 5])[:, None]
         model(x, mask).sum().backward()
-    gc.collect()
-    assert va.stats()["plan_builds"] == 1000  # one per forward, none per layer
-    assert not [o for o in gc.get_objects() if isinstance(o, Scope)]
-    from varlen_attn.plan import _CACHE
+        assert current() is None
+    assert va.stats()["plan_builds"] == 2000 and va.stats()["host_syncs"] == 0, va.stats()
+    assert plans_alive() <= before, "plans outlive their steps"
     assert len(_CACHE._entries) <= _CACHE._capacity
 
 

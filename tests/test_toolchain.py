@@ -103,7 +103,7 @@ def test_dtypes_and_autocast_run_or_refuse_as_stock(dtype, mask_dtype, autocast,
 def test_qwen_image_under_autocast_equals_stock():
     """The issue's case: under autocast Qwen-Image reaches SDPA with float32 q, k and a bfloat16
     v. Stock runs; so does the enabled model, as close to a float64 run as stock is."""
-    from _models import QF_B, QF_H, QF_W, prefix_keep, qwen_flux_inputs, qwen_model, step
+    from _models import QF_B, QF_H, QF_W, QWEN_ATTN_LAYERS, prefix_keep, qwen_flux_inputs, qwen_model, step
     from _testing import assert_model_close
 
     def inputs(dtype):
@@ -120,7 +120,10 @@ def test_qwen_image_under_autocast_equals_stock():
         va.reset_stats()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             results.append(step(model, inputs(torch.float32)))
-    assert va.stats()["plan_builds"] == 1 and not va.stats()["fallbacks"], va.stats()
+    # One plan per attention call (the enabled run's stats), from Qwen's boolean key-padding
+    # joint mask: no host read.
+    st_ = va.stats()
+    assert st_["plan_builds"] == QWEN_ATTN_LAYERS and st_["host_syncs"] == 0 and not st_["fallbacks"], st_
     stock, ours = results
     assert ours[0].dtype == stock[0].dtype
     assert_model_close(ours, ref, baseline=stock, what="qwen autocast bf16")
@@ -333,8 +336,8 @@ def test_scale_edge_values_as_sdpa(scale):
 # -- torch.inference_mode -----------------------------------------------------------------------
 
 def test_inference_mode_masks_are_never_stale():
-    """An inference tensor has no version counter: an in-place write leaves no trace, so such
-    masks are not cached by object; each call builds its plan (one sync)."""
+    """An inference tensor has no version counter: an in-place write leaves no trace. Each call
+    builds its plan from the mask as it is at that call, so every edit is seen."""
     q = torch.randn(2, 2, 6, 8, dtype=torch.float64)
     with torch.inference_mode():
         mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
@@ -362,7 +365,9 @@ def test_enabled_model_under_inference_mode_equals_stock():
                 va.reset_stats()
                 got = model(**chroma_inputs((5, 2, 0)))[0]
                 st_ = va.stats()
-                assert st_["plan_builds"] == 1 and st_["backends"] == {"split_sdpa": CHROMA_ATTN_LAYERS}, st_
+                # one plan per attention call; Chroma's outer-product masks cost a host read each
+                assert st_["plan_builds"] == st_["host_syncs"] == CHROMA_ATTN_LAYERS, st_
+                assert st_["backends"] == {"split_sdpa": CHROMA_ATTN_LAYERS}, st_
                 torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         finally:
             va.disable_varlen(model)
@@ -376,10 +381,12 @@ def _chroma_pair():
 
 
 def test_deepcopy_of_an_enabled_model_runs_its_own_weights():
-    """EMA and teacher copies are made with copy.deepcopy: the copy is enabled too and runs, and
-    trains, its own weights; the original is untouched."""
+    """EMA and teacher copies are made with copy.deepcopy: the copy is enabled too (its hooks and
+    state are copied) and runs, and trains, its own weights; the original is untouched. Each is
+    disabled on its own."""
     import copy
 
+    from _models import CHROMA_ATTN_LAYERS
     from _testing import assert_model_close
 
     tiny_chroma, chroma_inputs, step = _chroma_pair()
@@ -393,12 +400,21 @@ def test_deepcopy_of_an_enabled_model_runs_its_own_weights():
     inputs = chroma_inputs()
     va.reset_stats()
     got = step(ema, inputs)
-    assert va.stats()["plan_builds"] == 1 and "split_sdpa" in va.stats()["backends"], va.stats()
+    assert va.stats()["plan_builds"] == CHROMA_ATTN_LAYERS, va.stats()
+    assert va.stats()["backends"] == {"split_sdpa": CHROMA_ATTN_LAYERS}, va.stats()
     assert all(p.grad is None for p in model.parameters()), "gradients went to the original"
     assert_model_close(got, step(twin, inputs), what="ema copy")
     assert (got[0] - step(model, inputs)[0]).abs().max() > 1e-3, "the copy ran the original's weights"
     va.disable_varlen(ema)  # each copy is enabled and disabled on its own
-    assert hasattr(model, "_varlen_state") and "forward" not in ema.__dict__
+    assert hasattr(model, "_varlen_state") and not hasattr(ema, "_varlen_state")
+    assert "forward" not in ema.__dict__ and "forward" not in model.__dict__
+    va.reset_stats()
+    with torch.no_grad():
+        ema(**inputs)
+    assert va.stats()["plan_builds"] == 0 and not va.stats()["backends"], "disabled, yet varlen ran"
+    with torch.no_grad():
+        model(**inputs)
+    assert va.stats()["plan_builds"] == CHROMA_ATTN_LAYERS, "disabling the copy disabled the original"
 
 
 def test_torch_save_and_load_an_enabled_model():
@@ -423,10 +439,17 @@ def test_torch_save_and_load_an_enabled_model():
 
 @pytest.mark.parametrize("order", ["enable_then_prepare", "prepare_then_enable"])
 def test_accelerate_prepare_unwrap_and_hooks(order):
+    """Enabled before or after ``accelerator.prepare``: the prepared model (accelerate wraps its
+    forward in bf16 autocast) runs varlen, one plan per attention call. varlen_attn's hooks sit on
+    the module, not on its forward, so the model ``unwrap_model`` hands back (accelerate's
+    wrappers removed: float32, no autocast) is still enabled and equals stock's unwrapped model;
+    ``disable_varlen`` then removes our hooks and leaves a hook added after enabling in place."""
     accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed")
     from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
 
+    from _models import CHROMA_ATTN_LAYERS
     from _testing import assert_model_close
+    from varlen_attn.model import _enter_model, _leave_model
 
     tiny_chroma, chroma_inputs, step = _chroma_pair()
     inputs = chroma_inputs()
@@ -445,27 +468,30 @@ def test_accelerate_prepare_unwrap_and_hooks(order):
         stock_prepared = accelerator.prepare(stock)
         va.reset_stats()
         got = model(**f32, return_dict=False)[0]
-        assert va.stats()["plan_builds"] == 1, va.stats()
+        assert va.stats()["plan_builds"] == CHROMA_ATTN_LAYERS, va.stats()
         want = stock_prepared(**f32, return_dict=False)[0]
         torch.testing.assert_close(got, want, rtol=0, atol=3e-2)  # both under bf16 autocast: rounding
         plain = accelerator.unwrap_model(model, keep_fp32_wrapper=False)
         stock_plain = accelerator.unwrap_model(stock_prepared, keep_fp32_wrapper=False)
-        if order == "prepare_then_enable":
-            # unwrap strips accelerate's wrappers and the entry on top of them: stock float32
-            # runs (never the bf16 autocast it asked to remove); enabling again brings varlen back.
-            va.reset_stats()
-            torch.testing.assert_close(plain(**f32, return_dict=False)[0],
-                                       stock_plain(**f32, return_dict=False)[0], rtol=0, atol=0)
-            assert va.stats()["plan_builds"] == 0
-            va.enable_varlen(plain)
+        # Still enabled, now in float32 without the bf16 autocast unwrap removed (which would be
+        # far outside the float32 rule).
+        assert hasattr(plain, "_varlen_state")
+        va.reset_stats()
+        with torch.no_grad():
+            out = plain(**f32, return_dict=False)[0]
+            assert out.dtype == torch.float32
+            assert_model_close(out, stock_plain(**f32, return_dict=False)[0], what=f"unwrapped forward/{order}")
+        assert va.stats()["plan_builds"] == CHROMA_ATTN_LAYERS, va.stats()
         va.reset_stats()
         got = step(plain, {**f32})
-        assert va.stats()["plan_builds"] == 1, va.stats()
+        assert va.stats()["plan_builds"] == CHROMA_ATTN_LAYERS, va.stats()
         assert_model_close(got[0], step(stock_plain, {**f32})[0], what=f"unwrapped/{order}")
         # A hook added after enabling (as enable_model_cpu_offload adds them) survives disable.
         add_hook_to_module(plain, ModelHook())
         va.disable_varlen(plain)
         assert hasattr(plain, "_hf_hook")
+        ours = (_enter_model, _leave_model)
+        assert not any(f in ours for f in (*plain._forward_pre_hooks.values(), *plain._forward_hooks.values()))
         va.reset_stats()
         out = plain(**f32, return_dict=False)[0]
         assert va.stats()["plan_builds"] == 0, "disabled, yet varlen ran"
@@ -478,7 +504,11 @@ def test_accelerate_prepare_unwrap_and_hooks(order):
 
 
 def test_nothing_is_left_behind_after_an_exception_in_forward():
-    from varlen_attn.scope import current_scope
+    """A forward that raises: this thread's stack of entries is empty again (the hooks that always
+    run after a forward took theirs off), the checkpoint wrappers and hooks are as they were, and
+    the next step runs packed."""
+    from _models import CHROMA_ATTN_LAYERS
+    from varlen_attn.hook import current
 
     tiny_chroma, chroma_inputs, step = _chroma_pair()
     model = va.enable_varlen(tiny_chroma())
@@ -486,17 +516,21 @@ def test_nothing_is_left_behind_after_an_exception_in_forward():
     step(model, chroma_inputs())  # installs the checkpoint wrappers, which stay while enabled
     funcs = {n: m._gradient_checkpointing_func for n, m in model.named_modules()
              if getattr(m, "_gradient_checkpointing_func", None) is not None}
+    hooks = {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()}
     depth = torch._C._len_torch_function_stack()
     bad = chroma_inputs()
     bad["hidden_states"] = bad["hidden_states"][:, :3]  # image tokens do not match img_ids
     with pytest.raises(Exception):
         model(**bad)
-    assert current_scope() is None and torch._C._len_torch_function_stack() == depth
+    assert current() is None and torch._C._len_torch_function_stack() == depth
     assert {n: m._gradient_checkpointing_func for n, m in model.named_modules()
             if getattr(m, "_gradient_checkpointing_func", None) is not None} == funcs
+    assert {n: (dict(m._forward_pre_hooks), dict(m._forward_hooks)) for n, m in model.named_modules()} == hooks
     va.reset_stats()
     step(model, chroma_inputs())
-    assert va.stats()["plan_builds"] == 1
+    # every block checkpointed: each attention call runs again in the recomputation
+    assert va.stats()["plan_builds"] == 2 * CHROMA_ATTN_LAYERS, va.stats()
+    assert va.stats()["backends"] == {"split_sdpa": 2 * CHROMA_ATTN_LAYERS}, va.stats()
 
 
 def test_one_model_from_several_threads_with_checkpointing():

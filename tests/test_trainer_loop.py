@@ -83,7 +83,7 @@ def _batch(arch: str, i: int, dtype) -> dict:
     else:
         txt_ids, img_ids = flux_ids(dtype=dtype)
         keep = torch.cat([prefix_keep(lens), torch.ones(QF_B, QF_N, dtype=torch.bool)], 1)
-        # [B, 1, 1, T+N]: the same tensor object reaches every block (one plan per forward)
+        # [B, 1, 1, T+N] bool: a key-padding mask, whose plans need no host read
         batch = dict(qwen_flux_inputs(seed=100 + i, dtype=dtype), txt_ids=txt_ids, img_ids=img_ids,
                      joint_attention_kwargs={"attention_mask": keep[:, None, None, :]})
     # Both models compute ``timestep.to(hidden_states.dtype) * 1000``, in bf16 under autocast; for
@@ -247,13 +247,16 @@ def test_trainer_loop_equals_stock(arch, enable, precision, optimizer):
     assert_model_close(_compared(got, per_tensor), _compared(ref, per_tensor),
                        baseline=None if baseline is None else _compared(baseline, per_tensor), what=what)
 
-    # It ran packed: one plan (one host sync) per forward, every attention call on a varlen
-    # backend, training forwards twice (checkpoint recomputation), no fallback. Stock: untouched.
+    # It ran packed: one plan per attention call, every call on a varlen backend, training
+    # forwards twice (checkpoint recomputation), no fallback. Host reads: one per call for
+    # Chroma's outer-product masks, none for Flux's boolean key-padding mask. Stock: untouched.
     layers = ATTN_LAYERS[arch]
-    for key, forwards, calls in (("stats train", STEPS + 1, 2 * layers * (STEPS + 1)),
-                                 ("stats reload", 1, 2 * layers), ("stats ema", 1, layers)):
+    syncs_per_call = 1 if arch == "chroma" else 0
+    for key, calls in (("stats train", 2 * layers * (STEPS + 1)), ("stats reload", 2 * layers),
+                       ("stats ema", layers)):
         st = got[key]
-        assert st["plan_builds"] == st["host_syncs"] == forwards and not st["fallbacks"], (key, st)
+        assert st["plan_builds"] == calls and not st["fallbacks"], (key, st)
+        assert st["host_syncs"] == syncs_per_call * calls, (key, st)
         assert "sdpa" not in st["backends"] and sum(st["backends"].values()) == calls, (key, st)
         assert base[key]["plan_builds"] == 0 and not base[key]["backends"], (key, base[key])
 

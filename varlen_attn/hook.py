@@ -41,8 +41,9 @@ class Entry:
 
 def current() -> Entry | None:
     """The innermost entry on this thread, or None outside every enabled forward."""
-    stack = getattr(_local, "stack", None)
-    return stack[-1] if stack else None
+    # The top is kept apart from the stack: compiled code reads (and guards on) it alone, not on
+    # the stack's depth, which differs between a forward and its checkpoint recomputation.
+    return getattr(_local, "top", None)
 
 
 def push(entry: Entry) -> None:
@@ -50,17 +51,20 @@ def push(entry: Entry) -> None:
     if stack is None:
         stack = _local.stack = []
     stack.append(entry)
+    _local.top = entry
 
 
 def pop() -> None:
-    _local.stack.pop()
+    stack = _local.stack
+    stack.pop()
+    _local.top = stack[-1] if stack else None
 
 
 def pop_entry_of(owner) -> None:
     """Take ``owner``'s entry off the top of this thread's stack, if it is there."""
-    stack = getattr(_local, "stack", None)
-    if stack and stack[-1].owner is owner:
-        stack.pop()
+    top = getattr(_local, "top", None)
+    if top is not None and top.owner is owner:
+        pop()
 
 
 class active:  # noqa: N801 - a context manager

@@ -284,6 +284,7 @@ def build_plan(
     key = (batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool)
     plan = _CACHE.get(attn_mask, key) if cache else None
     if plan is None:
+        _stats.record_plan_build()
         plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool)
         if cache:
             _CACHE.put(attn_mask, key, plan)
@@ -396,7 +397,6 @@ def _inverse(indices: torch.Tensor, rows: int, total: int):
 
 
 def _build(mask, batch, sq, sk, num_heads, convention, float01_as_bool=False) -> VarlenPlan:
-    _stats.record_plan_build()
     m4 = canonical_mask(mask, batch_size=batch, num_heads=num_heads, seqlen_q=sq, seqlen_k=sk,
                         convention=convention)
     as_bool = torch.zeros((), dtype=torch.bool, device=mask.device)
@@ -695,7 +695,7 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
         return VarlenPlan(batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, packable=False,
                           reason=reason, device=mask4.device, read_as_bool=read_as_bool)
     if found["not_padding"]:
-        return _build(mask4, batch, seqlen_q, seqlen_k, None, "torch", float01_as_bool)
+        return _build(mask4, batch, seqlen_q, seqlen_k, None, "torch", as_bool is not None)
     if any_dead:
         valid_q, valid_k = valid_q | dead[:, None], valid_k | dead[:, None]
     plan = _padding_plan(batch, seqlen_q, seqlen_k, None if all_q else padding_side(valid_q), padding_side(valid_k),
