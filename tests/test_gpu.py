@@ -122,6 +122,47 @@ def test_no_host_sync_per_layer_on_cuda(backend):
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("backend", [b for b in CUDA_BACKENDS if b not in ("reference", "sdpa", "split_sdpa", "flex")])
+def test_a_key_padding_mask_never_syncs_and_equals_sdpa_on_cuda(backend):
+    """A boolean key-padding mask ``[B, 1, 1, S]`` (Qwen-Image's joint mask), through the drop-in
+    with a new mask every call, an element with no valid key among them: no synchronising call at
+    all in forward and backward (the plan is built on the device from the call's own mask), and
+    the output and gradients within 2x masked SDPA's own bf16 error of float64 SDPA."""
+    if not _installed(backend):
+        pytest.skip(f"backend {backend!r} is not installed here")
+    dev = torch.device("cuda")
+    b, s, h, d = 3, 320, 8, 64
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, generator=g, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(b, h, s, d, generator=g, dtype=torch.float64)
+    moved = {(dt, str(dv)): [t.to(dv, dt) for t in (q, k, v)] for dt, dv in ((torch.bfloat16, dev), (torch.float64, "cpu"))}
+    wd = None
+
+    def run(fn, keep, dtype, device):  # no host transfer inside: synchronising_calls sees this alone
+        qd, kd, vd = (moved[(dtype, str(device))][i].detach().requires_grad_() for i in range(3))
+        out = fn(qd, kd, vd, attn_mask=keep[:, None, None, :])
+        (out.double() * wd).sum().backward()
+        return [out, qd.grad, kd.grad, vd.grad]
+
+    ours = lambda *a, **kw: va.scaled_dot_product_attention(*a, **kw, backend=backend)  # noqa: E731
+    for lengths in ([320, 200, 17], [5, 0, 320], [0, 0, 0]):
+        keep = torch.arange(s)[None] < torch.tensor(lengths)[:, None]
+        keep[1, 300:] = True  # valid keys need not be a prefix
+        keep_dev, wd = keep.to(dev), w.to(dev)
+        run(ours, keep_dev, torch.bfloat16, dev)  # warm-up (kernel compilation)
+        va.reset_stats()
+        box = []
+        syncs = synchronising_calls(lambda: box.append(run(ours, keep_dev, torch.bfloat16, dev)))
+        assert syncs == [] and va.stats()["host_syncs"] == 0, (lengths, syncs, va.stats())
+        wd = w
+        ref = run(torch.nn.functional.scaled_dot_product_attention, keep, torch.float64, "cpu")
+        wd = w.to(dev)
+        base = run(torch.nn.functional.scaled_dot_product_attention, keep_dev, torch.bfloat16, dev)
+        for name, a, r, bl in zip(("out", "dq", "dk", "dv"), box[0], ref, base):
+            err, floor = (a.double().cpu() - r).abs().max().item(), (bl.double().cpu() - r).abs().max().item()
+            assert err <= 2 * floor + 1e-2 * r.abs().max().item(), (lengths, name, err, floor)
+
+
 def test_plan_build_syncs_once_on_cuda():
     dev = torch.device("cuda")
     keep = torch.rand(3, 200, device=dev) > 0.3
