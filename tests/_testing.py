@@ -428,10 +428,9 @@ class HostReads:
 
 def ran_in_graph(ops: set) -> bool:
     """A compiled graph's ops (:class:`Recording`, as dynamo traced them) ran attention in the graph
-    itself (varlen_attn.op, "In the graph"): keys gathered by the traced plan (varlen_attn.pack's
-    autograd function), and neither varlen_attn's custom op (which reads the host at run time)
-    nor masked SDPA."""
-    return ("autograd_function_apply" in ops and not any(o.startswith("varlen_attn.attention") for o in ops)
+    itself (varlen_attn.op, "In the graph"): the key-padding plan op, and neither varlen_attn's
+    custom op (which reads the host at run time) nor masked SDPA."""
+    return ("varlen_attn.key_padding_plan.default" in ops and not any(o.startswith("varlen_attn.attention") for o in ops)
             and not any("scaled_dot_product" in o for o in ops))
 
 

@@ -190,7 +190,7 @@ def _case(model: str, case: str):
 
 def check_case(model: str, case: str, backend: str):
     ref, baseline = stock(model, case)
-    run, mask = _case(model, case)  # a fresh mask object: no plan cached from another test
+    run, mask = _case(model, case)  # a fresh mask object
     m = qwen() if model == "qwen" else flux()
     layers = QWEN_ATTN_LAYERS if model == "qwen" else FLUX_ATTN_LAYERS
     syncs = SYNCS_PER_CALL.get((model, case), 0)

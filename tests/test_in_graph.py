@@ -384,3 +384,11 @@ def test_auto_takes_the_traced_kernel_first_in_the_graph_at_short_rows(case, mon
         # The traced kernel runs no Python of ours: only the custom op's calls are counted.
         assert va.stats()["backends"] == {"split_sdpa": 1 if traced else 2}, (lengths, image, va.stats())
     assert [ran_in_graph(g) for g in compiler.graphs[:2]] == [False, traced], compiler.graphs
+
+
+def test_key_padding_plan_op_passes_opcheck():
+    """torch.library.opcheck on the in-graph route's plan op: schema, fake implementation, equal
+    outputs eagerly and under AOTDispatcher, for a batch-broadcast mask and one with a dead row."""
+    keep = torch.arange(S)[None] < torch.tensor([5, 0, 1])[:, None]
+    torch.library.opcheck(va.op.key_padding_plan_op, (keep, B))
+    torch.library.opcheck(va.op.key_padding_plan_op, (keep[:1], B))

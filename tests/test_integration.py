@@ -141,11 +141,10 @@ def test_blocks_checkpointed_by_the_caller_equal_stock(use_reentrant, compiled, 
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_whole_model_compiled_with_blocks_checkpointed_by_the_caller_runs_varlen(strict):
     """The whole model compiled around blocks the caller checkpoints with torch.utils.checkpoint
-    (not diffusers' checkpoint function): dynamo traces the checkpointed body without the modes
-    active around it, so before, attention there ran stock SDPA unseen (nothing counted, and
-    ``strict`` held nothing). Now every attention call of the forward and of its recomputation
-    goes to varlen_attn, equal to stock, each building its plan from the mask Chroma derives in
-    its block (one plan and one host read per call)."""
+    (not diffusers' checkpoint function), which dynamo traces as a body of its own: every
+    attention call of the forward and of its recomputation goes to varlen_attn (none runs stock
+    SDPA uncounted, where ``strict`` would hold nothing), equal to stock, each building its plan
+    from the mask Chroma derives in its block (one plan and one host read per call)."""
     stock = checkpoint_blocks(tiny_chroma())
     model = va.enable_varlen(checkpoint_blocks(tiny_chroma()), strict=strict)
     run = torch.compile(model, fullgraph=True, backend="aot_eager")

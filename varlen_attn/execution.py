@@ -29,6 +29,7 @@ from .kernels._base import empty_output, inside_compiled_graph, refusals
 from .masks import canonical_mask
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
 from .plan import VarlenPlan
+from .policy import resolve_plan
 
 
 @dataclass(frozen=True)
@@ -165,12 +166,33 @@ def zero_dead(x: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
     return x.masked_fill(plan.dead.view((-1,) + (1,) * (x.dim() - 1)), 0)
 
 
-def attend(q, k, v, plan: VarlenPlan | None, mask4, opts: Options, policy) -> torch.Tensor:
-    """:func:`route` then :func:`run` (:func:`rerouted`)."""
+def plan_and_route(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | None = None):
+    """``(plan, route)`` of one call: :func:`~varlen_attn.policy.resolve_plan` (the caller's
+    ``plan``, else one from the call's own mask), then :func:`route`. A static plan that the
+    backend to run cannot take (an explicit ``split_sdpa`` on a GPU, or no installed backend
+    that can) is built again with its lengths on the host, and routed once more."""
+    def resolved(host=False):
+        return resolve_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1], device=q.device,
+                            policy=policy, plan=plan, host=host)
+
+    found = resolved()
+    try:
+        return found, route(q, k, v, found, mask4, opts, policy)
+    except BackendUnavailableError:
+        if found is None or not found.static or plan is not None:
+            raise
+        found = resolved(host=True)
+        return found, route(q, k, v, found, mask4, opts, policy)
+
+
+def attend(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | None = None) -> torch.Tensor:
+    """:func:`plan_and_route` then :func:`run` (:func:`rerouted`)."""
+    plan, first = plan_and_route(q, k, v, mask4, opts, policy, plan)
+
     def choose():
         return route(q, k, v, plan, mask4, opts, policy)
 
-    return rerouted(policy.backend, choose(), choose, lambda r: run(q, k, v, plan, mask4, r, opts))[1]
+    return rerouted(policy.backend, first, choose, lambda r: run(q, k, v, plan, mask4, r, opts))[1]
 
 
 def rerouted(backend: str, first, choose, call):

@@ -22,7 +22,7 @@ from ._errors import BackendUnavailableError, InputTypeError, InputValueError, a
 from .execution import Options
 from .kernels import TORCH_SDPA
 from .plan import VarlenPlan, read_float01_as_bool
-from .policy import Policy, resolve_plan
+from .policy import Policy
 
 
 def _autocast(query, key, value, attn_mask):
@@ -187,9 +187,7 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
     if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
         r = execution.unpackable(policy, TRANSFORM_REASON, mask4)
         return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)
-    plan = resolve_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1], device=q.device,
-                        policy=policy, plan=plan)
-    return execution.attend(q, k, v, plan, mask4, opts, policy)
+    return execution.attend(q, k, v, mask4, opts, policy, plan)
 
 
 def scaled_dot_product_attention(

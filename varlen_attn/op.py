@@ -45,7 +45,7 @@ from .kernels._base import compiled_graph
 from .pack import gather_rows
 from .plan import (STATIC_PROBLEMS, VarlenPlan, is_key_padding, key_padding_side, plan_of_token,
                    read_float01_as_bool, refuse_nan_inf, static_plan_of, static_plan_tensors_of, unpackable_reason)
-from .policy import Policy, float_mask_read_as_bool, mask_info, resolve_plan
+from .policy import Policy, float_mask_read_as_bool, mask_info
 
 # torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
 # and 2.15; on 2.6 and 2.8 whole-model compile recompiled for every new mask, on 2.5 regional
@@ -244,9 +244,9 @@ def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, co
     if token is not None and plan is None:
         raise InputValueError("the plan passed to attention was freed before the compiled call ran")
     mask4 = execution.mask4_of(mask, q, k, convention)
-    plan = resolve_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1], device=q.device,
-                        policy=policy, plan=plan)
-    return plan, _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model), mask4, opts
+    with compiled_graph():
+        plan, r = execution.plan_and_route(q, k, v, mask4, opts, policy, plan)
+    return plan, r, mask4, opts
 
 
 def _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model):
@@ -598,12 +598,12 @@ static_attention_op.register_autograd(_static_backward, setup_context=_static_se
 # --- In the graph -------------------------------------------------------------------------------
 # In compiled code of an enabled model (``Policy.in_graph``), a boolean key-padding mask (every
 # query of an element keeps the same keys: known from its shape and dtype while tracing) needs no
-# host read at all: its plan is a few tensor ops (varlen_attn.plan.key_padding_side) traced into
-# the graph, the queries stay in place, and the keys and values are gathered into packed order.
+# host read at all: its plan is built on the device by a small op (key_padding_plan_op), the
+# queries stay in place, and the keys and values are gathered into packed order in the graph.
 # The kernel is traced too where it traces (``Backend.TRACEABLE``: ``torch``, whose aten forward
 # autograd differentiates) or, where it has its own forward and backward entry points (FA4), runs
-# in the opaque op at the end of this module. No Python of ours runs at run time beyond FA4's op,
-# and inductor fuses the plan. Every other mask takes the custom op above (one host read a call).
+# in the opaque op at the end of this module. Every other mask takes the custom op above (one
+# host read a call).
 
 
 @torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
@@ -639,10 +639,31 @@ def _traced_kernel(name: str):
                                                                              scale, name)[0]
 
 
+@torch.library.custom_op("varlen_attn::key_padding_plan", mutates_args=())
+def key_padding_plan_op(valid: Tensor, batch: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A key-padding mask's rows ``valid [B|1, Sk]`` (bool) -> ``(dead [B], order, inverse
+    [B*Sk] int64, cu_seqlens [B+1] int32, padding [B*Sk] bool)``
+    (:func:`varlen_attn.plan.key_padding_side`): device work, no host read. An op, not traced
+    tensor ops: inductor's Triton code generation failed on the plan's row-wise cumsum at 1536
+    keys (torch 2.11, H200: "list indices must be integers or slices, not NoneType" in a
+    SplitScan), and an op keeps it out of every graph's code."""
+    with torch._C.DisableTorchFunction():
+        dead, side = key_padding_side(valid[:, None, None, :], batch=batch, seqlen_k=valid.shape[-1])
+        return (dead, *side)
+
+
+@key_padding_plan_op.register_fake
+def _(valid, batch):
+    rows = batch * valid.shape[-1]
+    return (valid.new_empty((batch,)), valid.new_empty((rows,), dtype=torch.int64),
+            valid.new_empty((rows,), dtype=torch.int64), valid.new_empty((batch + 1,), dtype=torch.int32),
+            valid.new_empty((rows,)))
+
+
 def _in_graph_attention(q, k, v, mask4: Tensor, chosen: str, scale: float) -> Tensor:
     """The in-graph route (see above): padded ``[B, S, H, D]`` in and out, a key-padding mask."""
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    dead, (order, inverse, cu_k, padding) = key_padding_side(mask4, batch=b, seqlen_k=sk)
+    dead, order, inverse, cu_k, padding = key_padding_plan_op(mask4[:, 0, 0], b)
     # Rows past the last segment hold what the kernel leaves there: the gathers' backward fills
     # their padded positions with zeros.
     kp, vp = (gather_rows(t.flatten(0, 1), order, inverse, padding) for t in (k, v))

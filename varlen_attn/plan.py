@@ -655,7 +655,7 @@ def _padding_plan(batch: int, sq: int, sk: int, q_side, k_side, dead, read_as_bo
 
 
 def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
-              float01_as_bool: bool = False) -> VarlenPlan:
+              float01_as_bool: bool = False, host: bool = False) -> VarlenPlan:
     """The plan of one attention call, built from that call's own mask ``mask4`` (its
     ``[B|1, H|1, Sq|1, Sk]`` view, :func:`~varlen_attn.masks.canonical_mask`): nothing is cached,
     so nothing has to be proven equal to an earlier mask.
@@ -670,8 +670,13 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
 
     An element none of whose queries attends a key (caption dropout on a key-padding mask, an
     all-masked row) keeps one full segment, so no kernel sees an empty one, and is named in
-    :attr:`VarlenPlan.dead`: attention zeroes its rows, as SDPA returns zeros there."""
+    :attr:`VarlenPlan.dead`: attention zeroes its rows, as SDPA returns zeros there.
+
+    ``host``: the general plan, segment lengths on the host (one read), for a backend that cannot
+    run a static plan (``split_sdpa`` on a GPU)."""
     _stats.record_plan_build()
+    if host:
+        return _build(mask4, batch, seqlen_q, seqlen_k, None, "torch", float01_as_bool and mask4.is_floating_point())
     if is_key_padding(mask4):
         dead, k_side = key_padding_side(mask4, batch=batch, seqlen_k=seqlen_k)
         return _padding_plan(batch, seqlen_q, seqlen_k, None, k_side, dead)

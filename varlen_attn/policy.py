@@ -60,19 +60,20 @@ class Policy:
 
 
 def resolve_plan(mask4: torch.Tensor | None, *, batch: int, seqlen_q: int, seqlen_k: int, device: torch.device,
-                 policy: Policy, plan: VarlenPlan | None = None) -> VarlenPlan | None:
+                 policy: Policy, plan: VarlenPlan | None = None, host: bool = False) -> VarlenPlan | None:
     """The plan an attention call runs with, or None for a call without a mask that runs plain
     SDPA (:attr:`Policy.unmasked_is_sdpa`): the caller's ``plan``; for no mask, None or the
     all-valid plan; else the plan of the call's mask ``mask4`` (its ``[B|1, H|1, Sq|1, Sk]``
     view), built now (:func:`~varlen_attn.plan.call_plan`). A float 0/1 mask is read as boolean
     when ``policy.float_mask`` is ``"bool"`` (one warning per process) and refused under
-    ``"error"``; ``"bias"`` keeps SDPA's reading."""
+    ``"error"``; ``"bias"`` keeps SDPA's reading. ``host``: segment lengths on the host
+    (:func:`~varlen_attn.plan.call_plan`)."""
     if plan is not None:
         return plan
     if mask4 is None:
         return None if policy.unmasked_is_sdpa else full_plan(batch, seqlen_q, seqlen_k, device)
     found = call_plan(mask4, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                      float01_as_bool=policy.float_mask != "bias")
+                      float01_as_bool=policy.float_mask != "bias", host=host)
     if found.read_as_bool:
         float_mask_read_as_bool(policy.float_mask, mask_info(mask4.dtype, mask4.shape))
     return found
@@ -102,3 +103,4 @@ def float_mask_read_as_bool(policy: str, info: str) -> None:
             "one); reading it as boolean (1 = keep), as the pipeline means it, not as SDPA's "
             "additive bias. float_mask='bias' keeps the stock reading."
         )
+
