@@ -27,3 +27,15 @@ def fresh_dynamo():
     counters.clear()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_backend_selection():
+    """Backend selection is cached by what it reads of a call (varlen_attn.execution._selected):
+    right while the backends' declarations and auto's priority stay as they are, which tests
+    monkeypatch. Each test starts with none cached."""
+    import varlen_attn.execution
+
+    varlen_attn.execution._selected.clear()
+    yield
+    varlen_attn.execution._selected.clear()

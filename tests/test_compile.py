@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import varlen_attn as va
-from _testing import IN_GRAPH_OP, CopySaved, HostReads, Recording, assert_model_close, copy_keeping_strides
+from _testing import CopySaved, HostReads, Recording, assert_model_close, copy_keeping_strides, ran_in_graph
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # conftest.py
 

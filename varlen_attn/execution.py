@@ -16,7 +16,6 @@ call's backward. :func:`masked_sdpa` is the library's one call of masked SDPA.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -91,25 +90,26 @@ def route(q, k, v, plan: VarlenPlan | None, mask4: torch.Tensor | None, opts: Op
     return Route(impl, None, scale, fused)
 
 
-# plan -> {what selection reads of a call: the backend}. Every layer of a forward shares its
-# plan and, nearly always, its heads, head dim and dtype: one selection per plan, not per call.
-# A kernel's refusal (KernelRefusedError) makes every earlier selection stale.
-_selected: "weakref.WeakKeyDictionary[VarlenPlan, tuple[int, dict]]" = weakref.WeakKeyDictionary()
+# What selection reads of a call -> (refusals when chosen, the backend): every call builds its own
+# plan, and selection reads of a plan only whether it is static and holds an empty segment, so
+# the calls of a forward (the same heads, head dim and dtype) share one selection. A kernel's
+# refusal (KernelRefusedError) makes every earlier selection stale.
+_selected: dict[tuple, tuple[int, Backend]] = {}
 
 
 def _select(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -> Backend:
     key = (name, q.dtype, q.device, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], scale > 0,
-           opts.causal, opts.dropout_p > 0, inside_compiled_graph())
-    made, chosen = _selected.get(plan, (None, None))
+           opts.causal, opts.dropout_p > 0, inside_compiled_graph(), plan.static,
+           0 in plan.seqlens_q or 0 in plan.seqlens_k)
+    made, impl = _selected.get(key, (None, None))
     if made != refusals():
-        chosen = {}
-        _selected[plan] = (refusals(), chosen)
-    impl = chosen.get(key)
-    if impl is None:
         # Selection reads heads, head dim, dtype and device (and the plan): per-token views do.
         probe = VarlenInputs(q.select(1, 0), k.select(1, 0), v.select(1, 0), plan, scale, opts.causal,
                              opts.dropout_p)
-        impl = chosen[key] = select(probe, name)
+        impl = select(probe, name)
+        if len(_selected) >= 256:
+            _selected.clear()
+        _selected[key] = (refusals(), impl)
     return impl
 
 
