@@ -82,6 +82,7 @@ def test_sdpa_dropin_with_masks_of_every_kind():
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     st = va.stats()
     assert st["backends"] == {"split_sdpa": 3, "sdpa": 2}, st  # -inf float mask packs
+    assert st["plan_builds"] == len(masks), st  # one a call, in the custom op
     assert len(st["fallbacks"]) == 2, st  # causal structure, additive bias: both recorded
     # Guards are on the mask's dtype and strides (bool, bool expanded, float), never on values.
     assert cnt.frame_count == 3
@@ -119,6 +120,8 @@ def test_enable_varlen_model_compiles_without_breaks_or_recompiles(how):
         got = step(run, inputs)
         st = va.stats()
         assert st["backends"] == {"split_sdpa": CHROMA_ATTN_LAYERS} and not st["fallbacks"], st
+        # One plan per attention call, one host read each (Chroma's outer product).
+        assert st["plan_builds"] == st["host_syncs"] == CHROMA_ATTN_LAYERS, st
         want = step(stock, inputs)
         got = (got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()})
         assert_model_close(got, want, what=f"{how}/{lengths}")
@@ -149,31 +152,58 @@ def test_compile_below_the_supported_torch_refuses_clearly(mode, monkeypatch, fr
         run()
 
 
-def _step_reading_once(model, inputs, reads, index):
-    """A training step (``_models.step``) that builds one plan and reads the host once, counted
-    by the library and by every host read of tensor values (``reads``); the first step
-    (``index`` 0) compiles, and the compiler reads values of its own. Returns its result and
-    ``va.stats()``."""
+GENERAL_OP = f"varlen_attn.attention{va.op._CONTRACT}.default"  # the custom op, as Recording names it
+
+
+def _plan_reads(monkeypatch):
+    """:class:`_testing.HostReads` (every host read of tensor values), leaving out the reads the
+    CPU kernels make themselves (``split_sdpa`` and ``reference`` read a plan's segment lengths
+    from ``cu_seqlens``, host memory on the CPU: no sync there). What remains is what planning and
+    routing read, which ``host_syncs`` counts."""
+    reads = HostReads(monkeypatch)
+
+    def uncounted(forward):
+        def run(*args, **kwargs):
+            on, reads.on = reads.on, False
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                reads.on = on
+        return run
+
+    for impl in va.kernels.BACKENDS.values():
+        monkeypatch.setattr(impl, "forward", uncounted(impl.forward))
+    return reads
+
+
+def _step_counted(model, inputs, reads, index, *, calls, syncs):
+    """A training step (``_models.step``) whose masked attention calls (``calls``: forward and
+    checkpoint recomputation) each build their own plan, with ``syncs`` host reads in all,
+    counted by the library and by every host read of tensor values outside the kernels
+    (``reads``, :func:`_plan_reads`: one ``tolist`` per sync); the first step (``index`` 0)
+    compiles, and the compiler reads values of its own. Returns its result and ``va.stats()``."""
     from _models import step
 
     va.reset_stats()
     with reads:
         got = step(model, inputs)
     st = va.stats()
-    assert st["plan_builds"] == 1 and st["host_syncs"] == 1, (index, st)
-    assert index == 0 or reads.calls == ["tolist"], (index, reads.calls)
+    assert st["plan_builds"] == calls and st["host_syncs"] == syncs, (index, calls, syncs, st)
+    assert index == 0 or reads.calls == ["tolist"] * syncs, (index, reads.calls)
     return got, st
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("checkpointing", [True, False])
-def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, backend, monkeypatch):
+def test_compiled_blocks_plan_each_attention_call_with_one_host_read(checkpointing, backend, monkeypatch):
     """Every block compiled with inductor (fullgraph), gradient checkpointing on or off, a new
     mask each step: each compiled block re-derives Chroma's outer-product mask inside its graph,
-    yet the step builds one plan and reads the host once (counted two ways: the library's own
-    counter, and every host read of tensor values during the step), and equals eager stock.
-    Both compiled routes: the custom op (auto: ``split_sdpa`` on the CPU) and attention in the
-    graph (``reference``, whose dense form traces: varlen_attn.op, "In the graph")."""
+    which is not key padding, so every attention call (forward and recomputation) runs in the
+    custom op, builds its own plan from its own mask and reads the host once (counted two ways:
+    the library's own counter, and every host read of tensor values outside the kernels), and
+    the step equals eager stock. For both backends (auto: ``split_sdpa`` on the CPU, and
+    ``reference``, whose dense form would trace: varlen_attn.op, "In the graph", taken for key
+    padding only)."""
     from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 
     stock = tiny_chroma()
@@ -183,14 +213,16 @@ def test_compiled_blocks_sync_the_host_at_most_once_per_step(checkpointing, back
     compiler = Recording()
     for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
         block.compile(fullgraph=True, backend=compiler)
-    reads = HostReads(monkeypatch)
+    reads = _plan_reads(monkeypatch)
+    calls = CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)
+    ran = "split_sdpa" if backend == "auto" else backend
     for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2), (0, 0, 0)]):
         inputs = chroma_inputs(lengths, seed=i)
-        got, st = _step_reading_once(model, inputs, reads, i)
-        assert sum(st["backends"].values()) >= CHROMA_ATTN_LAYERS and not st["fallbacks"], st
+        got, st = _step_counted(model, inputs, reads, i, calls=calls, syncs=calls)
+        assert st["backends"] == {ran: calls} and not st["fallbacks"], st
         assert_model_close(got, step(stock, inputs), what=f"{lengths}")
     assert len(compiler.graphs) == 2, "a new mask recompiled"
-    assert all((IN_GRAPH_OP in g) == (backend == "reference") for g in compiler.graphs), compiler.graphs
+    assert all(GENERAL_OP in g and not ran_in_graph(g) for g in compiler.graphs), compiler.graphs
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
@@ -213,13 +245,15 @@ def _whole_model_case(name: str, step_index: int):
 @pytest.mark.parametrize("name, checkpointing, compiler", [
     *((name, ckpt, "aot_eager") for name in ("chroma", "qwen") for ckpt in (True, False)),
     ("qwen", True, "inductor")])
-def test_a_whole_model_compiled_syncs_the_host_at_most_once_per_step(name, checkpointing, compiler, monkeypatch):
+def test_a_whole_model_compiled_plans_each_attention_call_from_its_mask(name, checkpointing, compiler,
+                                                                         monkeypatch):
     """The whole enabled model compiled (fullgraph), gradient checkpointing on or off, a new mask
-    each step: every attention op of a forward and of its recomputation finds its plan in the
-    forward's run-time scope (varlen_attn.op.forward_op), so a step builds one plan and reads the
-    host once (it read it once per attention call), and equals eager stock. Under inductor, whose
-    own code rounds otherwise than eager in float64, stock compiled by inductor measures that
-    rounding (the baseline of assert_model_close)."""
+    each step: every attention call of a forward and of its recomputation runs in the custom op
+    (auto picks ``split_sdpa`` on the CPU, which does not trace) and builds its own plan from its
+    own mask: Chroma's outer product with one host read a call, Qwen-Image's joint mask (boolean
+    key padding) with none; the step equals eager stock. Under inductor, whose own code rounds
+    otherwise than eager in float64, stock compiled by inductor measures that rounding (the
+    baseline of assert_model_close)."""
     from _models import step
 
     make, _, layers = _whole_model_case(name, 0)
@@ -228,11 +262,12 @@ def test_a_whole_model_compiled_syncs_the_host_at_most_once_per_step(name, check
         model.enable_gradient_checkpointing()
     run = torch.compile(model, fullgraph=True, backend=compiler)
     stock_compiled = torch.compile(make(), fullgraph=True, backend=compiler) if compiler == "inductor" else None
-    reads = HostReads(monkeypatch)
+    reads = _plan_reads(monkeypatch)
+    calls = layers * (2 if checkpointing else 1)
     for i in range(4 if compiler == "aot_eager" else 2):
         _, inputs, _ = _whole_model_case(name, i)
-        got, st = _step_reading_once(run, inputs, reads, i)
-        assert sum(st["backends"].values()) == layers * (2 if checkpointing else 1) and not st["fallbacks"], st
+        got, st = _step_counted(run, inputs, reads, i, calls=calls, syncs=calls if name == "chroma" else 0)
+        assert st["backends"] == {"split_sdpa": calls} and not st["fallbacks"], st
         got = (got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()})
         baseline = None
         if stock_compiled is not None:
@@ -285,7 +320,9 @@ def test_blocks_compiled_for_cuda_graphs_build_their_plans_without_a_host_read(c
             got = step(model, inputs)
         st = va.stats()
         assert st["plan_builds"] == 0 and st["host_syncs"] == calls, (lengths, st)
-        assert st["backends"] == {"reference": calls} and not st["fallbacks"], st
+        # auto on the CPU: split_sdpa, which takes static plans there (it reads their lengths from
+        # host memory).
+        assert st["backends"] == {"split_sdpa": calls} and not st["fallbacks"], st
         assert_model_close(got, step(stock, inputs), what=f"{lengths}")
     assert counters["stats"]["unique_graphs"] == 2, "a new mask recompiled"
     assert not counters["graph_break"], dict(counters["graph_break"])
@@ -310,11 +347,13 @@ def test_blocks_compiled_for_cuda_graphs_read_a_float01_mask_as_bool(cpu_as_cuda
         assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
 
 
-def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(cpu_as_cuda):
+def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_with_one_plan_in_its_graph(cpu_as_cuda):
     """The whole enabled model compiled under CUDA graphs (the CPU stands in for CUDA, as above):
     the forward's masks reach the static op inside the one graph, every step equals eager stock,
-    and the graph plans the mask once for all its attention layers (every layer derives the same
-    mask, and the plan is built in the graph, where AOTAutograd merges equal subexpressions)."""
+    no plan is built on the host, and no op of the graph reads the host at run time. Every layer
+    traces its own plan from its own mask; the layers' masks are equal expressions of the model's
+    mask, which AOTAutograd's partitioner merges, so the compiled graph computes one plan for
+    all its attention layers (a property of the graph, not a plan shared by varlen_attn)."""
     import torch._inductor.config as inductor_config
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -325,12 +364,12 @@ def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(cpu_
     plans_per_graph = []
 
     def forward_compiler(gm, _inputs):
-        # (attention ops, distinct plans they take, the plans' own scatters: one per side, and the
-        # ops that make a forward's run-time scope: none, no op here reads the host)
+        # (static ops, distinct plans they take, the plans' own scatters: one per side, and the
+        # ops that read the host at run time: none, a replayed graph could not)
         ops = [n for n in gm.graph.nodes if n.target is torch.ops.varlen_attn.static_attention.default]
         scatters = [n for n in gm.graph.nodes if n.target is torch.ops.aten.scatter.src]
-        handles = [n for n in gm.graph.nodes if str(n.target).startswith("varlen_attn.forward")]
-        plans_per_graph.append((len(ops), len({n.args[3] for n in ops}), len(scatters), len(handles)))
+        host = [n for n in gm.graph.nodes if str(n.target).startswith("varlen_attn.attention")]
+        plans_per_graph.append((len(ops), len({n.args[3] for n in ops}), len(scatters), len(host)))
         return gm
 
     # Inductor's partitioner, which merges equal subexpressions.
@@ -342,7 +381,8 @@ def test_a_whole_model_compiled_for_cuda_graphs_equals_stock_and_plans_once(cpu_
         with inductor_config.patch({"triton.cudagraphs": True}):
             out, grads = step(compiled, inputs)
         st = va.stats()
-        assert st["backends"] == {"reference": CHROMA_ATTN_LAYERS} and not st["fallbacks"], st
+        assert st["plan_builds"] == 0, st
+        assert st["backends"] == {"split_sdpa": CHROMA_ATTN_LAYERS} and not st["fallbacks"], st
         grads = {name.replace("_orig_mod.", ""): g for name, g in grads.items()}
         assert_model_close((out, grads), step(stock, inputs), what=f"{lengths}")
     assert plans_per_graph == [(CHROMA_ATTN_LAYERS, 1, 2, 0)], plans_per_graph
@@ -472,8 +512,8 @@ def test_compiled_op_lse_does_not_hold_stale_memory(backend):
     q, k, v = _qkv(4, requires_grad=False)
     for _ in range(3):
         torch.full((H, B * S), float("nan"), dtype=torch.float32)  # made and freed right away
-        lse = va.op.attention_op(q, k, v, keep, None, [], "", None, False, False, backend, False,
-                                 "model", "bool", False, None, False)[1]
+        lse = va.op.attention_op(q, k, v, keep, None, None, False, False, backend, False, "model", "bool",
+                                 False, False)[1]
         assert torch.equal(lse, torch.zeros_like(lse)), lse
 
 
@@ -554,8 +594,9 @@ def test_a_backward_whose_kept_entry_was_dropped_says_so(monkeypatch):
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_compiled_blocks_under_hooks_that_copy_saved_tensors_equal_stock(checkpointing):
     """enable_varlen with every block compiled (inductor), under hooks that copy every saved tensor
-    (offloading): the step equals stock's under the same hooks."""
-    from _models import chroma_inputs, step, tiny_chroma
+    (offloading): the step equals stock's under the same hooks, and each attention call's backward
+    takes its forward's plan (no attention backward plans again)."""
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 
     # Stock without checkpointing: diffusers' checkpointed Chroma drops the mask in its single blocks.
     stock, model = tiny_chroma(), va.enable_varlen(tiny_chroma())
@@ -571,25 +612,25 @@ def test_compiled_blocks_under_hooks_that_copy_saved_tensors_equal_stock(checkpo
         with hooks:
             got = step(model, inputs)
         assert hooks.copied > 0
-        # With checkpointing the recomputation in backward saves its own handles (the checkpoint's
-        # hooks, not these, are innermost there). Without it each layer's backward gets a copy of
-        # its handle, whose entry was kept for it (it planned again from its mask, one host read per
-        # layer, before entries were kept).
-        assert va.stats()["plan_builds"] == 1, va.stats()
+        # One plan per attention call: the forward's, and with checkpointing the recomputation's,
+        # whose handles it saves itself (the checkpoint's hooks, not these, are innermost there).
+        # Each layer's backward gets a copy of its handle, whose entry was kept for it (it planned
+        # again from its mask, one more plan and host read per layer, before entries were kept).
+        calls = CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)
+        assert va.stats()["plan_builds"] == va.stats()["host_syncs"] == calls, va.stats()
         with CopySaved():
             want = step(stock, inputs)
         assert_model_close(got, want, what=f"{lengths}")
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_a_whole_model_compiled_under_hooks_that_copy_plans_once_or_twice_per_step(checkpointing):
+def test_a_whole_model_compiled_under_hooks_that_copy_builds_one_plan_per_call(checkpointing):
     """The whole model compiled, under hooks that copy what autograd saves (offloading): every
-    attention backward takes the entry its call kept for the copy of its handle, and the
-    recomputation of checkpointed blocks the forward's scope, kept the same way; the step equals
-    stock's under the same hooks. One plan per step; with checkpointing two (the recomputation
-    gets copies of the mask inputs, which key the forward's plan by identity). Before entries were
-    kept: 2 plans and 5 host reads per step either way here (one more per layer in backward)."""
-    from _models import chroma_inputs, own_names, step, tiny_chroma
+    attention backward takes the entry its call kept for the copy of its handle, so the only plans
+    are the attention calls' own, one each (forward, and with checkpointing the recomputation), with
+    one host read each (Chroma's outer product); the step equals stock's under the same hooks. (A
+    backward that found no entry would plan again from its mask: one more plan and read per layer.)"""
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, own_names, step, tiny_chroma
 
     stock, model = tiny_chroma(), va.enable_varlen(tiny_chroma())
     if checkpointing:
@@ -603,11 +644,11 @@ def test_a_whole_model_compiled_under_hooks_that_copy_plans_once_or_twice_per_st
             got = own_names(step(compiled, inputs))
         assert hooks.copied > 0
         st = va.stats()
-        assert st["plan_builds"] == st["host_syncs"] == (2 if checkpointing else 1), st
+        assert st["plan_builds"] == st["host_syncs"] == CHROMA_ATTN_LAYERS * (2 if checkpointing else 1), st
         with CopySaved():
             want = step(stock, inputs)
         assert_model_close(got, want, what=f"{lengths}")
-    _clear_waiting()  # the last forwards' scopes wait for a backward that will not come
+    _clear_waiting()  # entries of forwards whose backward will not come
 
 
 class _WritesItsMask(torch.nn.Module):
@@ -713,13 +754,12 @@ def test_a_mask_written_in_place_between_compiled_blocks_runs_as_stock_does(dtyp
 
 
 def _clear_waiting():
-    """Drop the entries and scopes waiting for a backward (module state a test leaves behind)."""
+    """Drop the entries waiting for a backward (module state a test leaves behind)."""
     from varlen_attn import op
 
-    for queue in (op._waiting, op._kept_scopes):
-        for ident in list(queue):
-            op._records.pop(ident, None)
-        queue.clear()
+    for ident in list(op._waiting):
+        op._records.pop(ident, None)
+    op._waiting.clear()
 
 
 def test_entries_kept_for_copied_handles_are_bounded_and_not_kept_under_checkpoints(monkeypatch):
@@ -850,34 +890,42 @@ def test_a_retained_graph_under_hooks_that_copy_at_unpack_or_keep_the_original(k
                 torch.autograd.grad(out, (q, k, v), w)
 
 
-def test_a_whole_model_compiled_around_compiled_blocks_reads_the_host_once_per_step(monkeypatch):
-    """Blocks compiled on their own, an eager forward first (it installs their wrappers), then the
-    whole model compiled around them with checkpointing: dynamo inlines the blocks' wrappers,
-    whose hook takes the whole forward's run-time scope too (it read the host once per attention
-    call: 8 here); equal to eager stock; nothing of the trace is left on the model."""
+def test_a_whole_model_compiled_around_compiled_blocks_plans_each_attention_call(monkeypatch):
+    """Blocks compiled on their own, an eager forward first (the model's hook gives each compiled
+    block its boundary, which puts the model's policy on the thread's stack around the compiled
+    call), then the whole model compiled around them with checkpointing: dynamo inlines the
+    boundaries (the model's own entry, pushed by its hook, is what the graph reads). Every
+    attention call, forward and recomputation, builds its own plan with one host read (Chroma's
+    outer product); equal to eager stock, no graph break, and nothing is left on the thread's
+    stack after a step."""
+    from varlen_attn import hook
+    from varlen_attn.model import _Boundary
     from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
 
     stock, model = tiny_chroma(), va.enable_varlen(tiny_chroma())
     model.enable_gradient_checkpointing()
-    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+    blocks = [*model.transformer_blocks, *model.single_transformer_blocks]
+    for block in blocks:
         block.compile(fullgraph=True, backend="aot_eager")
-    step(model, chroma_inputs((1, 1, 1), seed=9))  # eager: the compiled blocks get their wrappers
+    step(model, chroma_inputs((1, 1, 1), seed=9))  # eager: the compiled blocks get their boundaries
+    assert all(isinstance(block.__dict__["_compiled_call_impl"], _Boundary) for block in blocks)
     run = torch.compile(model, fullgraph=True, backend="aot_eager")
-    reads = HostReads(monkeypatch)
+    reads = _plan_reads(monkeypatch)
+    calls = 2 * CHROMA_ATTN_LAYERS
     for i, lengths in enumerate([(5, 2, 0), (7, 1, 3), (2, 2, 2)]):
         inputs = chroma_inputs(lengths, seed=i)
-        got, st = _step_reading_once(run, inputs, reads, i)
-        assert sum(st["backends"].values()) == 2 * CHROMA_ATTN_LAYERS and not st["fallbacks"], st
+        got, st = _step_counted(run, inputs, reads, i, calls=calls, syncs=calls)
+        assert st["backends"] == {"split_sdpa": calls} and not st["fallbacks"], st
+        assert hook.current() is None, hook.current()
         got = (got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()})
         assert_model_close(got, step(stock, inputs), what=f"{lengths}")
-    assert model._varlen_state.traced_forward is None
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
 class _TwoMasks(torch.nn.Module):
     """Two attention layers whose masks the forward makes from ``lengths``, not from its mask
-    input: of one shape, different values, of unknown derivation (the second also depends on an
-    activation), so the compiled graph holds them in buffers that inductor may reuse."""
+    input: of one shape, different values (the second also depends on an activation), so the
+    compiled graph holds them in buffers that inductor may reuse."""
 
     def __init__(self):
         super().__init__()
@@ -895,11 +943,12 @@ class _TwoMasks(torch.nn.Module):
         return h + self.attend(h, m2, self.p2)
 
 
-def test_masks_of_unknown_derivation_in_a_compiled_graph_get_their_own_plans():
+def test_two_masks_made_in_a_compiled_graph_get_their_own_plans():
     """The whole model compiled by inductor, two masks of one shape and different values made in
-    the graph from something other than the mask input: each gets its own plan. (With the
-    forward's run-time scope keying such masks by their tensor object, the second mask, in a
-    buffer inductor reused from the first, took the first's plan: 0.9 off stock.)"""
+    the graph from something other than the mask input: each call builds its own plan from its
+    own mask (boolean key padding: no host read), equal to stock. (Under the retired forward-wide
+    plan sharing, which keyed such masks by their tensor object, the second mask, in a buffer
+    inductor reused from the first, took the first's plan: 0.9 off stock.)"""
     x = torch.randn(B, S, H * D, dtype=torch.float64)
     mask, lengths = torch.ones(B, S, dtype=torch.bool), torch.tensor([3, 12, 7])
     with torch.no_grad():
@@ -907,7 +956,7 @@ def test_masks_of_unknown_derivation_in_a_compiled_graph_get_their_own_plans():
         compiled = torch.compile(va.enable_varlen(_TwoMasks()), fullgraph=True, backend="inductor")
         va.reset_stats()
         got = compiled(x, mask, lengths)
-    assert va.stats()["plan_builds"] == 2, va.stats()
+    assert va.stats()["plan_builds"] == 2 and va.stats()["host_syncs"] == 0, va.stats()
     torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
 
 
@@ -945,9 +994,10 @@ class _ViewsNet(torch.nn.Module):
 @pytest.mark.parametrize("how", ["blocks", "whole"])
 def test_a_sequence_length_that_changes_between_steps_runs_as_stock_does(how):
     """Compiled, with the sequence length changing between steps (aspect-ratio buckets): dynamo
-    makes the length a symbol (automatic dynamic shapes), and a derivation that reads it cannot be
-    keyed at trace time. Each step equals stock compiled the same way (before: dynamo stopped at
-    formatting the symbol, where stock runs)."""
+    makes the length a symbol (automatic dynamic shapes), and the mask is viewed with sizes that
+    are symbols. Each step equals stock compiled the same way, each attention call with its own
+    plan (boolean key padding: no host read) (before: dynamo stopped at formatting the symbol,
+    where stock runs)."""
     torch.manual_seed(0)
     stock = _ViewsNet()
     model = va.enable_varlen(copy.deepcopy(stock))
@@ -970,6 +1020,7 @@ def test_a_sequence_length_that_changes_between_steps_runs_as_stock_does(how):
         st = va.stats()
         assert_model_close(own_names(got), own_names(step(ref, {"x": x, "attention_mask": keep.clone()})), what=f"{how} S={s}")
         assert st["fallbacks"] == {} and st["backends"] == {"split_sdpa": 2}, (how, s, st)
+        assert st["plan_builds"] == 2 and st["host_syncs"] == 0, (how, s, st)
 
 
 class _WritesItsMaskThroughAView(torch.nn.Module):
@@ -1006,9 +1057,10 @@ def _enabled_and_compiled(stock, how, backend):
 
 @pytest.mark.parametrize("how", ["blocks", "whole"])
 def test_a_mask_written_through_a_view_in_compiled_code_gets_a_new_plan(how, tmp_path, monkeypatch):
-    """Inductor writes the mask's buffer in place with no version bump a key would see: the
-    second call's derivation of the mask (the same text as the first's) must not share the first
-    call's plan (before: 0.4-0.8 off, silently; aot_eager was right)."""
+    """Inductor writes the mask's buffer in place with no version bump: the second call, on the
+    written mask, must plan from the mask as it is then, not run with the first call's plan
+    (before, when plans were shared by the mask's derivation: 0.4-0.8 off, silently; aot_eager
+    was right). Each call builds its own plan (boolean key padding: no host read)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     torch.manual_seed(0)
     stock = _OneBlockNet()
@@ -1022,6 +1074,7 @@ def test_a_mask_written_through_a_view_in_compiled_code_gets_a_new_plan(how, tmp
             got = run(x, attention_mask=keep.clone())[0]
             torch.testing.assert_close(got, stock(x, attention_mask=keep.clone())[0], rtol=1e-10, atol=1e-10)
             assert va.stats()["fallbacks"] == {}, va.stats()
+            assert va.stats()["plan_builds"] == 2 and va.stats()["host_syncs"] == 0, va.stats()
 
 
 class _SlicesItsMask(torch.nn.Module):
@@ -1047,9 +1100,9 @@ class _SliceNet(torch.nn.Module):
 @pytest.mark.parametrize("how", ["blocks", "whole"])
 def test_a_mask_sliced_at_an_offset_that_changes_runs_as_stock_does(how):
     """A compiled block slicing the mask at an offset that changes between calls: dynamo makes
-    the offset a symbol bounded by the mask's length. The derivation's text took that bounded
-    symbol for a constant and stopped dynamo formatting it ("repr_impl not implemented"); now
-    the derivation is unknown there, and each call plans by the mask's values, equal to stock."""
+    the offset a symbol bounded by the mask's length (formatting that symbol while tracing once
+    stopped dynamo: "repr_impl not implemented"). Each call plans from its own sliced mask's
+    values (boolean key padding: no host read), equal to stock, forward and gradients."""
     torch.manual_seed(0)
     stock = _SliceNet()
     _, run = _enabled_and_compiled(stock, how, "aot_eager")
@@ -1066,6 +1119,7 @@ def test_a_mask_sliced_at_an_offset_that_changes_runs_as_stock_does(how):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(gx, wx, rtol=1e-10, atol=1e-10)
         assert va.stats()["backends"] == {"split_sdpa": 1} and not va.stats()["fallbacks"], (off, va.stats())
+        assert va.stats()["plan_builds"] == 1 and va.stats()["host_syncs"] == 0, (off, va.stats())
 
 
 class _AttendsOverItsMask(torch.nn.Module):
@@ -1110,13 +1164,14 @@ class _CallerCheckpointed(torch.nn.Module):
 @pytest.mark.parametrize("how", ["whole, caller's checkpoint", "blocks, checkpoint inside",
                                  "whole, caller's checkpoint, dynamic=True"])
 def test_checkpoints_in_traced_code_run_attention_in_varlen_attn(how):
-    """A torch.utils.checkpoint call in traced code: dynamo traces its body without the modes
-    around it, so attention there ran stock SDPA unseen (nothing counted; ``strict`` held nothing)
-    and the mask the body derived was unknown. Its body is traced again under the hook now:
-    every call of the forward and of the recomputation is routed, equal to stock, with ``strict``
-    on; with the whole model compiled, one plan and one host read per step. ``dynamic=True``: a
-    float default read in the first body and again in the second stopped dynamo (below
-    ``sdpa_with_policy``'s ``dropout_p``)."""
+    """A torch.utils.checkpoint call in traced code (the caller's around each block of a whole
+    model compiled, or one inside each compiled block): dynamo traces its body as a subgraph, and
+    the body's attention reads the model's entry on the thread's stack while tracing as the rest
+    of the forward does, so every call of the forward and of the recomputation (in the compiled
+    backward) runs in varlen_attn, equal to stock, with ``strict`` on (nothing ran stock SDPA
+    unseen). Each of those calls builds its own plan with one host read (an outer-product mask).
+    ``dynamic=True``: a float default read in the first body and again in the second stopped
+    dynamo (below ``sdpa_with_policy``'s ``dropout_p``)."""
     from _models import own_names, step
 
     whole = how.startswith("whole")
@@ -1137,17 +1192,18 @@ def test_checkpoints_in_traced_code_run_attention_in_varlen_attn(how):
         got = own_names(step(run, {**inputs, "attention_mask": keep.clone()}))
         st = va.stats()
         assert_model_close(got, step(stock, inputs), what=f"{how} {i}")
-        assert st["backends"] == {"split_sdpa": 4} and not st["fallbacks"], (how, st)
-        # A checkpoint inside compiled blocks is recomputed in the compiled backward, outside the
-        # forward's scope: each block plans again there (docs/troubleshooting.md).
-        plans = 1 if whole else 1 + len(model.blocks)
-        assert st["plan_builds"] == plans and st["host_syncs"] == plans, (how, st)
+        calls = 2 * len(model.blocks)  # forward and recomputation
+        assert st["backends"] == {"split_sdpa": calls} and not st["fallbacks"], (how, st)
+        assert st["plan_builds"] == calls and st["host_syncs"] == calls, (how, st)
 
 
 def test_a_selective_checkpoint_policy_in_traced_code_is_kept():
     """Selective activation checkpointing (a ``context_fn`` policy) on the caller's checkpoints of
-    a whole model compiled: the hook calls the checkpoint op again with the function under
-    itself, and the policy goes with it: it is consulted while AOTAutograd traces, as stock's."""
+    a whole model compiled: varlen_attn leaves the caller's checkpoint call as it is (its routing
+    is the entry on the thread's stack, read while tracing), so the policy is consulted while
+    AOTAutograd traces, as stock's, and the step equals stock's. The policy recomputes attention
+    (PREFER_RECOMPUTE): each block's attention runs in the forward and again in the
+    recomputation, each call with its own plan."""
     import functools
 
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
@@ -1172,4 +1228,5 @@ def test_a_selective_checkpoint_policy_in_traced_code_is_kept():
     got = own_names(step(run, {"x": x, "attention_mask": keep.clone()}))
     assert asked, "the selective checkpointing policy was never consulted"
     assert_model_close(got, step(stock, {"x": x, "attention_mask": keep.clone()}))
-    assert va.stats()["backends"] == {"split_sdpa": 4} and va.stats()["plan_builds"] == 1, va.stats()
+    calls = 2 * len(model.blocks)  # forward and recomputation
+    assert va.stats()["backends"] == {"split_sdpa": calls} and va.stats()["plan_builds"] == calls, va.stats()

@@ -159,7 +159,11 @@ def test_a_key_padding_mask_never_syncs_and_equals_sdpa_on_cuda(backend):
         wd = w.to(dev)
         base = run(torch.nn.functional.scaled_dot_product_attention, keep_dev, torch.bfloat16, dev)
         for name, a, r, bl in zip(("out", "dq", "dk", "dv"), box[0], ref, base):
-            err, floor = (a.double().cpu() - r).abs().max().item(), (bl.double().cpu() - r).abs().max().item()
+            a = a.double().cpu()
+            assert torch.isfinite(a).all(), (lengths, name)
+            # Stock's bf16 gradients are NaN in rows with no key (H200, torch 2.11): no floor there.
+            floor = torch.nan_to_num((bl.double().cpu() - r).abs(), nan=0.0).max().item()
+            err = (a - r).abs().max().item()
             assert err <= 2 * floor + 1e-2 * r.abs().max().item(), (lengths, name, err, floor)
 
 
@@ -174,7 +178,7 @@ def test_plan_build_syncs_once_on_cuda():
 
 
 @pytest.mark.parametrize("backend", [b for b in kernels.PRIORITY["cuda_sm90"] if kernels.BACKENDS[b].STATIC_PLANS
-                                     and b != "reference"])
+                                     and b not in ("reference", "split_sdpa")])  # static plans on the CPU only
 @settings(max_examples=30)
 @given(case=cases(dtype=torch.float32, kinds=STATIC_KINDS, max_s=80, head_dims=(32, 64, 128)),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]))
@@ -208,7 +212,7 @@ def test_static_plans_equal_sdpa_on_cuda(backend, case, dtype):
 
 
 @pytest.mark.parametrize("backend", [b for b in kernels.PRIORITY["cuda_sm90"] if kernels.BACKENDS[b].STATIC_PLANS
-                                     and b != "reference"])
+                                     and b not in ("reference", "split_sdpa")])  # static plans on the CPU only
 @pytest.mark.parametrize("lengths", [(0, 37, 200), (0, 0, 64), (200, 0, 0)])
 def test_static_plans_with_empty_elements_on_cuda(backend, lengths):
     """Batch elements with no valid token are empty segments in a static plan (the dynamic plan
@@ -243,7 +247,7 @@ def test_static_plans_with_empty_elements_on_cuda(backend, lengths):
 
 
 @pytest.mark.parametrize("backend", [b for b in kernels.PRIORITY["cuda_sm90"] if kernels.BACKENDS[b].STATIC_PLANS
-                                     and b != "reference"])
+                                     and b not in ("reference", "split_sdpa")])  # static plans on the CPU only
 def test_static_op_lse_is_zero_past_the_valid_rows_on_cuda(backend):
     """The static op's lse (an output, saved for the backward) is the kernel's over the valid
     packed rows and zeros past them, where the kernel leaves what the allocator held: a freed NaN

@@ -640,33 +640,32 @@ def _traced_kernel(name: str):
 
 
 @torch.library.custom_op("varlen_attn::key_padding_plan", mutates_args=())
-def key_padding_plan_op(valid: Tensor, batch: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """A key-padding mask's rows ``valid [B|1, Sk]`` (bool) -> ``(dead [B], order, inverse
-    [B*Sk] int64, cu_seqlens [B+1] int32, padding [B*Sk] bool)``
+def key_padding_plan_op(valid: Tensor, batch: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A key-padding mask's rows ``valid [B|1, Sk]`` (bool) -> ``(dead [B], order [B*Sk] int64,
+    cu_seqlens [B+1] int32, padding [B*Sk] bool)``
     (:func:`varlen_attn.plan.key_padding_side`): device work, no host read. An op, not traced
     tensor ops: inductor's Triton code generation failed on the plan's row-wise cumsum at 1536
     keys (torch 2.11, H200: "list indices must be integers or slices, not NoneType" in a
     SplitScan), and an op keeps it out of every graph's code."""
     with torch._C.DisableTorchFunction():
-        dead, side = key_padding_side(valid[:, None, None, :], batch=batch, seqlen_k=valid.shape[-1])
-        return (dead, *side)
+        dead, (order, _, cu, padding) = key_padding_side(valid[:, None, None, :], batch=batch, seqlen_k=valid.shape[-1])
+        return dead, order, cu, padding
 
 
 @key_padding_plan_op.register_fake
 def _(valid, batch):
     rows = batch * valid.shape[-1]
     return (valid.new_empty((batch,)), valid.new_empty((rows,), dtype=torch.int64),
-            valid.new_empty((rows,), dtype=torch.int64), valid.new_empty((batch + 1,), dtype=torch.int32),
-            valid.new_empty((rows,)))
+            valid.new_empty((batch + 1,), dtype=torch.int32), valid.new_empty((rows,)))
 
 
 def _in_graph_attention(q, k, v, mask4: Tensor, chosen: str, scale: float) -> Tensor:
     """The in-graph route (see above): padded ``[B, S, H, D]`` in and out, a key-padding mask."""
     b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-    dead, order, inverse, cu_k, padding = key_padding_plan_op(mask4[:, 0, 0], b)
+    dead, order, cu_k, padding = key_padding_plan_op(mask4[:, 0, 0], b)
     # Rows past the last segment hold what the kernel leaves there: the gathers' backward fills
     # their padded positions with zeros.
-    kp, vp = (gather_rows(t.flatten(0, 1), order, inverse, padding) for t in (k, v))
+    kp, vp = (gather_rows(t.flatten(0, 1), order, None, padding) for t in (k, v))
     cu_q = torch.arange(0, (b + 1) * sq, sq, dtype=torch.int32, device=q.device)
     out = _traced_kernel(chosen)(q.flatten(0, 1), kp, vp, cu_q, cu_k, sq, sk, scale)
     out = out.view(b, sq, q.shape[2], v.shape[-1])
