@@ -297,8 +297,19 @@ class _Checkpoint:
     def __call__(self, block, *args, **kwargs):
         entry = current()
         if entry is not None and entry.checkpoint_mask is not None and isinstance(block, torch.nn.Module):
-            args = _restore_mask(block, args, kwargs, entry.checkpoint_mask)
+            restored = _restore_mask(block, args, kwargs, entry.checkpoint_mask)
+            if restored is not args and not _noticed[0]:
+                _noticed[0] = True
+                logger.warning(
+                    "varlen_attn: %s is checkpointed and called without attention_mask, so stock "
+                    "attends to the padding there; varlen_attn passes the model's mask back in (results "
+                    "differ from stock's on purpose). enable_varlen(..., restore_checkpoint_mask=False) "
+                    "keeps stock's behaviour.", type(block).__name__)
+            args = restored
         return self.func(block, *args, **kwargs)
+
+
+_noticed = [False]  # the notice above, once per process
 
 
 def _checkpointing_modules(model) -> list[torch.nn.Module]:
