@@ -298,7 +298,7 @@ class _Checkpoint:
         entry = current()
         if entry is not None and entry.checkpoint_mask is not None and isinstance(block, torch.nn.Module):
             restored = _restore_mask(block, args, kwargs, entry.checkpoint_mask)
-            if restored is not args and not _noticed[0]:
+            if len(restored) > len(args) and not _noticed[0] and not torch.compiler.is_compiling():
                 _noticed[0] = True
                 logger.warning(
                     "varlen_attn: %s is checkpointed and called without attention_mask, so stock "
