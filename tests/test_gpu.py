@@ -178,7 +178,7 @@ def test_plan_build_syncs_once_on_cuda():
 
 
 @pytest.mark.parametrize("backend", [b for b in kernels.PRIORITY["cuda_sm90"] if kernels.BACKENDS[b].STATIC_PLANS
-                                     and b not in ("reference", "split_sdpa")])  # static plans on the CPU only
+                                     and "cuda" in (kernels.BACKENDS[b].STATIC_PLANS_DEVICES or {"cuda"})])
 @settings(max_examples=30)
 @given(case=cases(dtype=torch.float32, kinds=STATIC_KINDS, max_s=80, head_dims=(32, 64, 128)),
        dtype=st.sampled_from([torch.bfloat16, torch.float16]))
@@ -212,7 +212,7 @@ def test_static_plans_equal_sdpa_on_cuda(backend, case, dtype):
 
 
 @pytest.mark.parametrize("backend", [b for b in kernels.PRIORITY["cuda_sm90"] if kernels.BACKENDS[b].STATIC_PLANS
-                                     and b not in ("reference", "split_sdpa")])  # static plans on the CPU only
+                                     and "cuda" in (kernels.BACKENDS[b].STATIC_PLANS_DEVICES or {"cuda"})])
 @pytest.mark.parametrize("lengths", [(0, 37, 200), (0, 0, 64), (200, 0, 0)])
 def test_static_plans_with_empty_elements_on_cuda(backend, lengths):
     """Batch elements with no valid token are empty segments in a static plan (the dynamic plan
@@ -247,7 +247,7 @@ def test_static_plans_with_empty_elements_on_cuda(backend, lengths):
 
 
 @pytest.mark.parametrize("backend", [b for b in kernels.PRIORITY["cuda_sm90"] if kernels.BACKENDS[b].STATIC_PLANS
-                                     and b not in ("reference", "split_sdpa")])  # static plans on the CPU only
+                                     and "cuda" in (kernels.BACKENDS[b].STATIC_PLANS_DEVICES or {"cuda"})])
 def test_static_op_lse_is_zero_past_the_valid_rows_on_cuda(backend):
     """The static op's lse (an output, saved for the backward) is the kernel's over the valid
     packed rows and zeros past them, where the kernel leaves what the allocator held: a freed NaN

@@ -148,20 +148,45 @@ def test_two_enabled_models_and_a_stock_one_in_three_threads():
     assert st["backends"] == {"split_sdpa": 3 * QWEN_ATTN_LAYERS, "reference": 3 * QWEN_ATTN_LAYERS}, st
 
 
-def test_regional_compilation_of_repeated_blocks_compiles_each_block_class_once(monkeypatch):
+def test_regional_compilation_of_repeated_blocks_compiles_each_block_class_once():
     """diffusers' ``compile_repeated_blocks(fullgraph=True)`` on an enabled model: every instance
     of the block class shares one graph (a recompile per block would hit dynamo's limit), new
     masks recompile nothing, and the steps equal stock's."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     stock, model = _qwen_pair()
     counter = CompileCounterWithBackend("eager")
+    # The config's own patch: monkeypatch's undo deletes a config entry of torch's config modules.
     try:
-        model.compile_repeated_blocks(fullgraph=True, backend=counter)
-        for seed in range(3):
-            assert_model_close(step(model, _inputs(seed)), step(stock, _inputs(seed)), what=f"seed {seed}")
+        with torch._dynamo.config.patch(recompile_limit=1):
+            model.compile_repeated_blocks(fullgraph=True, backend=counter)
+            for seed in range(3):
+                assert_model_close(step(model, _inputs(seed)), step(stock, _inputs(seed)), what=f"seed {seed}")
         assert counter.frame_count == 1, counter.frame_count
     finally:
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_model_without_diffusers_attention_modules_checkpointed_by_the_caller(reentrant):
+    """A plain module calling SDPA itself, its blocks checkpointed by the caller around the
+    module call (``torch.utils.checkpoint(block, ...)``): every submodule of such a model routes
+    its calls, so the recomputation, in backward and outside the forward, is routed as the
+    forward was (a recomputation on stock SDPA stops a non-reentrant checkpoint: "A different
+    number of tensors was saved"), and the step equals stock's."""
+    import copy
+
+    from _testing import CheckpointedModule
+    from test_in_graph import _mask, _Model, _out_and_grads, _x
+
+    stock = _Model(["keys", "padding"])
+    model = copy.deepcopy(stock)
+    for m in (stock, model):
+        for i, block in enumerate(list(m.blocks)):
+            m.blocks[i] = CheckpointedModule(block, reentrant)
+    va.enable_varlen(model, backend="reference")
+    va.reset_stats()
+    got = _out_and_grads(model, _x(0), _mask((3, 0, 5)))
+    assert va.stats()["plan_builds"] == 4 and not va.stats()["fallbacks"], va.stats()  # forward and recomputation
+    assert_model_close(got, _out_and_grads(stock, _x(0), _mask((3, 0, 5))), what=f"reentrant={reentrant}")

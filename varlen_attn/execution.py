@@ -113,15 +113,6 @@ def _select(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -
     return impl
 
 
-def runs(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -> bool:
-    """Backend ``name`` can run this call (its inputs and plan)."""
-    try:
-        _select(q, k, v, plan, scale, opts, name)
-    except BackendUnavailableError:
-        return False
-    return True
-
-
 def refuse_unpackable(policy, reason: str) -> None:
     """Raise where the policy forbids running an unpackable call on masked SDPA: ``strict``,
     or an explicit varlen backend (never a silent fallback)."""

@@ -180,9 +180,15 @@ def enable_varlen(
         if getattr(proc, "_attention_backend", None) is not None:
             state.saved_backends.append((proc, proc._attention_backend))
             proc._attention_backend = None
+        state.attention.append(module)
+    # A model with no diffusers attention module (any module calling SDPA): every submodule pushes
+    # the policy, so the recomputation of a checkpoint around any of them is routed as its forward
+    # was (a hook costs a few microseconds a module call; diffusers models hook their attention only).
+    hooked = state.attention or [m for m in model.modules() if m is not model]
+    for module in hooked:
         module._varlen_owner = state
         _add_hooks(module, _enter_attention, _leave_attention)
-        state.attention.append(module)
+    state.attention = hooked
     if restore_checkpoint_mask:
         state.checkpointed = _checkpointing_modules(model)
         _install_checkpointing(state)

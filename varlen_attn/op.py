@@ -81,8 +81,7 @@ _refuse_compile = _compiler_disabled(_raise_compile_unsupported,
 
 
 # The one registry: op-output handle -> (plan, route, mask, options, convention) of an attention
-# call (the mask as _kept_mask keeps it), or a forward's scope (forward_op), while a handle of it
-# lives. The backward reads its call's entry only (attention_backward_op). Saved-tensor hooks that
+# call (the mask as _kept_mask keeps it), while a handle of it lives. The backward reads its call's entry only (attention_backward_op). Saved-tensor hooks that
 # copy what autograd saves (offloading: ``save_on_cpu(pin_memory=True)``) hand the backward a copy
 # of the handle, and the original may die with the forward. So an entry made, where a backward may
 # follow, under saved-tensor hooks other than torch's checkpoint's (which keep the handle or

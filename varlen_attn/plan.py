@@ -1,16 +1,15 @@
-"""The batch plan: a mask turned, once, into what a varlen kernel needs.
+"""The plan: a mask turned into what a varlen kernel needs.
 
-``build_plan(mask, ...)`` reads the mask on its device (:mod:`varlen_attn.masks`), copies the
-few numbers the host needs in **one** device-to-host transfer, and returns a frozen
-:class:`VarlenPlan`: ``cu_seqlens_q/k`` (int32, on the device), gather indices for queries
-and keys (int64, on the device), ``max_seqlen_q/k`` and token totals as Python ints, and host
-copies of every segment length. Using a plan never syncs.
-
-Plans are cached by mask tensor *object*, and reused only after a check on the device that the
-mask still holds the values the plan was built from (one host read instead of a build's one;
-see :class:`_PlanCache`). :func:`clear_plan_cache` empties that cache;
-``build_plan(..., cache=False)`` bypasses it. Inside an enabled forward the scope
-(:mod:`varlen_attn.scope`) shares one plan between layers with no check at all.
+:func:`call_plan` builds the plan of one attention call from that call's own mask (what enabled
+models and the functional entries use): a boolean key-padding mask on the device with no host
+read, any other mask with one. :func:`build_plan` is the explicit API: it reads the mask on its
+device (:mod:`varlen_attn.masks`), copies the few numbers the host needs in **one**
+device-to-host transfer, and returns a frozen :class:`VarlenPlan` with host copies of every
+segment length, to pass to every layer (``attention(plan=...)``); using a plan never syncs.
+``build_plan`` caches plans by mask tensor *object*, reused only after a check on the device that
+the mask still holds the values the plan was built from (one host read instead of a build's
+one; see :class:`_PlanCache`). :func:`clear_plan_cache` empties that cache;
+``build_plan(..., cache=False)`` bypasses it.
 """
 
 from __future__ import annotations
@@ -471,7 +470,7 @@ def static_plan_tensors_of(mask4: torch.Tensor, *, batch: int, seqlen_q: int, se
 
 
 def static_sides(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int):
-    """The one int64 vector of :func:`static_plan_tensors_of` (or :func:`static_layout_of`) as
+    """The one int64 vector of :func:`static_plan_tensors_of` as
     ``(order, inverse, cu_seqlens int32, padding)`` of the queries, then of the keys: a padded
     position is padding where its packed row lies past the last segment. Tensor ops only, no host
     read (what the in-graph route of varlen_attn.op traces)."""
@@ -490,31 +489,6 @@ def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k
         max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, total_q=batch * seqlen_q, total_k=batch * seqlen_k,
         inverse_q=iq, inverse_k=ik, padding_q=padq, padding_k=padk, static=True,
     )
-
-
-# plan -> its static layout (static_layout_of), made once per plan: every layer of a forward asks.
-_LAYOUTS: "weakref.WeakKeyDictionary[VarlenPlan, torch.Tensor]" = weakref.WeakKeyDictionary()
-
-
-def static_layout_of(plan: VarlenPlan) -> torch.Tensor | None:
-    """A plan built on the host as the one int64 vector :func:`static_plan_tensors_of` makes
-    (order, inverse, cu_seqlens of queries, then of keys; :func:`static_plan_of` reads it), or
-    None where that layout cannot hold it: it holds one segment per batch element, in batch
-    order (padding masks). Valid rows keep the plan's packed order, the padding rows follow.
-    Device work on the plan's tensors, no host read; made once per plan."""
-    layout = _LAYOUTS.get(plan)
-    if layout is not None or not plan.packable or plan.static:
-        return layout
-    if list(plan.segment_batch) != list(range(plan.batch_size)):
-        return None
-    parts = []
-    for indices, padding, cu, seqlen in ((plan.indices_q, plan.padding_q, plan.cu_seqlens_q, plan.seqlen_q),
-                                         (plan.indices_k, plan.padding_k, plan.cu_seqlens_k, plan.seqlen_k)):
-        order = torch.cat([indices, padding])
-        rows = torch.arange(plan.batch_size * seqlen, dtype=torch.int64, device=order.device)
-        parts += [order, torch.empty_like(order).scatter_(0, order, rows), cu.to(torch.int64)]
-    layout = _LAYOUTS[plan] = torch.cat(parts)
-    return layout
 
 
 def _static_side(valid: torch.Tensor):

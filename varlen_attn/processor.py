@@ -42,10 +42,10 @@ class VarlenAttnProcessor:
     ``processor`` is the processor doing the projections (an instance; required): usually the
     module's own, ``VarlenAttnProcessor(attn.get_processor())``. Its SDPA calls run packed. The
     instance mirrors ``processor.__call__``'s signature, by which diffusers filters the keyword
-    arguments it passes. Inside an ``enable_varlen`` forward it joins that forward's scope: the
-    model's policy (``backend``, ``strict``, ``float_mask``) applies and its per-forward plans are
-    shared, one policy per forward. On its own, its ``backend`` and ``strict`` apply, plans are
-    cached per mask tensor object, and float masks keep SDPA's reading (``float_mask="bias"``).
+    arguments it passes. Inside an ``enable_varlen`` forward the model's policy (``backend``,
+    ``strict``, ``float_mask``) applies. On its own, its ``backend`` and ``strict`` apply, and
+    float masks keep SDPA's reading (``float_mask="bias"``). Either way each call builds its plan
+    from its own mask.
 
     For a whole model use :meth:`wrap` (each module's current processor, wrapped) and
     :meth:`unwrap`. ``model.set_attn_processor(VarlenAttnProcessor())`` cannot work (diffusers

@@ -103,6 +103,9 @@ class Backend:
     # True when the kernel reads segment lengths from ``cu_seqlens`` on the device only and never
     # reads packed rows past ``cu_seqlens[-1]``: it can run a static plan (VarlenPlan.static).
     STATIC_PLANS: bool = False
+    # Where static plans run, where not on every device (None): a backend that reads their lengths
+    # on the host can, on the CPU only (there a read is no sync; on a GPU it would be one a call).
+    STATIC_PLANS_DEVICES: frozenset[str] | None = None
     # True when forward_lse/backward call the kernel's own forward and backward entry points
     # (then pack + kernel + unpack run as one autograd node, varlen_attn.fused).
     NATIVE_BACKWARD: bool = False
@@ -151,6 +154,8 @@ class Backend:
             reasons.append("value head dim different from query head dim not supported")
         if inp.plan.static and not self.STATIC_PLANS:
             reasons.append("needs segment lengths on the host (a plan for CUDA graphs has them on the device only)")
+        elif inp.plan.static and self.STATIC_PLANS_DEVICES is not None and dev.type not in self.STATIC_PLANS_DEVICES:
+            reasons.append(f"reads a static plan's lengths on the host ({', '.join(sorted(self.STATIC_PLANS_DEVICES))} only)")
         return reasons
 
     def forward(self, inp: VarlenInputs) -> torch.Tensor:

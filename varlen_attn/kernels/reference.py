@@ -14,14 +14,9 @@ from ._base import Backend, VarlenInputs
 class ReferenceBackend(Backend):
     NAME = "reference"
     REQUIRES = ("kernels_ref",)
-    # On the CPU only: a static plan's totals are read on the host (nothing captures there).
+    # Static plans on the CPU only: their lengths are read from cu_seqlens on the host.
     STATIC_PLANS = True
-
-    def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
-        reasons = super().not_supported_reasons(inp)
-        if inp.plan.static and inp.q.device.type != "cpu":
-            reasons.append("reads a static plan's lengths on the host (CPU only)")
-        return reasons
+    STATIC_PLANS_DEVICES = frozenset({"cpu"})
 
     # The dense form of the oracle (kernels_ref.varlen_attention_dense) traces: how the CPU
     # tests run the in-graph route. Quadratic in the rows, never picked by auto for it.

@@ -13,15 +13,9 @@ from ._base import TORCH_SDPA, Backend, VarlenInputs, empty_output
 
 class SplitSdpaBackend(Backend):
     NAME = "split_sdpa"
-    # On the CPU only: a static plan's lengths are read from its cu_seqlens on the host, which
-    # there is no sync (on a GPU it would be one per call).
+    # Static plans on the CPU only: their lengths are read from cu_seqlens on the host.
     STATIC_PLANS = True
-
-    def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
-        reasons = super().not_supported_reasons(inp)
-        if inp.plan.static and inp.q.device.type != "cpu":
-            reasons.append("reads a static plan's lengths on the host (CPU only)")
-        return reasons
+    STATIC_PLANS_DEVICES = frozenset({"cpu"})
 
     def forward(self, inp: VarlenInputs) -> torch.Tensor:
         p = inp.plan
