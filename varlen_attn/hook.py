@@ -24,47 +24,56 @@ from .functional import sdpa_with_policy
 from .kernels import TORCH_SDPA
 from .policy import Policy
 
-_local = threading.local()
+
+class _Local(threading.local):
+    """The top of this thread's stack of entries; made for each thread on its first use, so
+    compiled code finds it there from the first call on (a guard on its absence would recompile
+    the second)."""
+
+    def __init__(self):
+        self.top: Entry | None = None
 
 
-@dataclass(frozen=True, eq=False)
+_local = _Local()
+
+
+@dataclass(eq=False)
 class Entry:
     """What an enabled forward or attention module puts on this thread's stack: its policy,
     for a model's forward the mask handed back to checkpointed blocks that diffusers calls
     without it (``model._Checkpoint``), and the module that pushed it (its hook that always runs
-    after the forward takes off its own entry only, also where an earlier pre-hook raised)."""
+    after the forward takes off its own entry only, also where an earlier pre-hook raised).
+    ``below``: the entry under it (the stack is a chain from the top, :func:`push`)."""
 
     policy: Policy
     checkpoint_mask: torch.Tensor | None = None
     owner: object = None
+    below: Entry | None = None
 
 
 def current() -> Entry | None:
     """The innermost entry on this thread, or None outside every enabled forward."""
-    # The top is kept apart from the stack: compiled code reads (and guards on) it alone, not on
-    # the stack's depth, which differs between a forward and its checkpoint recomputation.
-    return getattr(_local, "top", None)
+    return _local.top
 
 
 def push(entry: Entry) -> None:
-    stack = getattr(_local, "stack", None)
-    if stack is None:
-        stack = _local.stack = []
-    stack.append(entry)
+    """Put a new ``entry`` on top of this thread's stack. The stack is a chain from its top, not
+    a list: compiled code reads (and guards on) the top alone, which is the same in every
+    forward; a list's length differs between a forward and its checkpoint recomputation, and a
+    list appended to while dynamo traces a hook made it recompile the hook at the next call."""
+    entry.below = _local.top
     _local.top = entry
 
 
 def pop() -> None:
-    stack = _local.stack
-    stack.pop()
-    _local.top = stack[-1] if stack else None
+    _local.top = _local.top.below
 
 
 def pop_entry_of(owner) -> None:
     """Take ``owner``'s entry off the top of this thread's stack, if it is there."""
-    top = getattr(_local, "top", None)
+    top = _local.top
     if top is not None and top.owner is owner:
-        pop()
+        _local.top = top.below
 
 
 class active:  # noqa: N801 - a context manager

@@ -171,6 +171,7 @@ def enable_varlen(
         disable_varlen(model)
     install()
     state = _State(backend, strict, float_mask, restore_checkpoint_mask, in_graph)
+    state.policy()  # made now: a whole model compiled would otherwise guard on its absence, and recompile
     for module in model.modules():
         proc = getattr(module, "processor", None)
         if proc is None or module is model:

@@ -75,10 +75,9 @@ class VarlenAttnProcessor:
         self.backend, self.strict = backend, strict
 
     def __call__(self, attn, *args, **kwargs):
-        entry = current()  # inside an enabled model: its policy
-        if entry is None:
-            entry = Entry(Policy.of(self.backend, self.strict, "bias", model=True))
-        with active(entry):
+        if current() is not None:  # inside an enabled model: its policy
+            return self.processor(attn, *args, **kwargs)
+        with active(Entry(Policy.of(self.backend, self.strict, "bias", model=True))):
             return self.processor(attn, *args, **kwargs)
 
     def __reduce__(self):
