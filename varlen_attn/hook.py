@@ -25,16 +25,19 @@ from .kernels import TORCH_SDPA
 from .policy import Policy
 
 
-class _Local(threading.local):
-    """The top of this thread's stack of entries; made for each thread on its first use, so
-    compiled code finds it there from the first call on (a guard on its absence would recompile
-    the second)."""
+# The top of this thread's stack of entries (``_local.top``). A plain threading.local: dynamo
+# replays a traced store into one (an enabled model's pre-hook, traced as a frame of its own),
+# not into a subclass's. The attribute is made where it can be (here, for the importing thread;
+# ``enable_varlen`` for its caller's), so compiled code finds it from the first call on: a guard
+# on its absence recompiles the second call (on any other thread, once).
+_local = threading.local()
+_local.top = None
 
-    def __init__(self):
-        self.top: Entry | None = None
 
-
-_local = _Local()
+def ensure_thread_state() -> None:
+    """Make this thread's ``_local.top`` if it has none yet (eagerly: never while tracing)."""
+    if not hasattr(_local, "top"):
+        _local.top = None
 
 
 @dataclass(eq=False)
@@ -53,7 +56,7 @@ class Entry:
 
 def current() -> Entry | None:
     """The innermost entry on this thread, or None outside every enabled forward."""
-    return _local.top
+    return getattr(_local, "top", None)
 
 
 def push(entry: Entry) -> None:
@@ -61,7 +64,7 @@ def push(entry: Entry) -> None:
     a list: compiled code reads (and guards on) the top alone, which is the same in every
     forward; a list's length differs between a forward and its checkpoint recomputation, and a
     list appended to while dynamo traces a hook made it recompile the hook at the next call."""
-    entry.below = _local.top
+    entry.below = current()
     _local.top = entry
 
 
@@ -71,7 +74,7 @@ def pop() -> None:
 
 def pop_entry_of(owner) -> None:
     """Take ``owner``'s entry off the top of this thread's stack, if it is there."""
-    top = _local.top
+    top = current()
     if top is not None and top.owner is owner:
         _local.top = top.below
 
@@ -109,6 +112,7 @@ _install_lock = threading.Lock()
 
 def install() -> None:
     """Route ``F.scaled_dot_product_attention`` through :func:`_sdpa`, once per process."""
+    ensure_thread_state()
     functional = torch.nn.functional
     with _install_lock:
         if functional.scaled_dot_product_attention is not _sdpa:
