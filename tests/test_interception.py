@@ -190,3 +190,24 @@ def test_a_model_without_diffusers_attention_modules_checkpointed_by_the_caller(
     got = _out_and_grads(model, _x(0), _mask((3, 0, 5)))
     assert va.stats()["plan_builds"] == 4 and not va.stats()["fallbacks"], va.stats()  # forward and recomputation
     assert_model_close(got, _out_and_grads(stock, _x(0), _mask((3, 0, 5))), what=f"reentrant={reentrant}")
+
+
+def test_a_whole_model_compiled_runs_varlen_and_never_recompiles_its_hooks():
+    """diffusers' own compile test (``error_on_recompile``): an enabled model compiled whole,
+    called three times with new masks, recompiles nothing (dynamo traces the model's pre-hook as
+    a frame of its own; a guard on state made at its first call recompiled the second) and
+    routes every masked call to varlen_attn (a store into the thread's state that dynamo does
+    not replay would run stock SDPA)."""
+    torch._dynamo.reset()
+    stock, model = _qwen_pair()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for seed in range(3):
+                va.reset_stats()
+                got = step(compiled, _inputs(seed))
+                assert va.stats()["backends"] == {"split_sdpa": QWEN_ATTN_LAYERS}, va.stats()
+                assert_model_close((got[0], {n.replace("_orig_mod.", ""): g for n, g in got[1].items()}),
+                                   step(stock, _inputs(seed)), what=f"seed {seed}")
+    finally:
+        torch._dynamo.reset()
