@@ -23,7 +23,7 @@ import torch
 from . import _stats
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, NotPackableError
 from .fused import FusedAttention, packed_backward, packed_forward
-from .kernels import SDPA, TORCH_SDPA, Backend, VarlenInputs, select
+from .kernels import BACKENDS, SDPA, TORCH_SDPA, Backend, VarlenInputs, select
 from .kernels._base import empty_output, inside_compiled_graph, refusals
 from .masks import canonical_mask
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
@@ -160,13 +160,15 @@ def zero_dead(x: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
 def plan_and_route(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | None = None):
     """``(plan, route)`` of one call: :func:`~varlen_attn.policy.resolve_plan` (the caller's
     ``plan``, else one from the call's own mask), then :func:`route`. A static plan that the
-    backend to run cannot take (an explicit ``split_sdpa`` on a GPU, or no installed backend
-    that can) is built again with its lengths on the host, and routed once more."""
+    backend to run cannot take is built with its lengths on the host: at once for an explicit
+    backend (``split_sdpa`` on a GPU: a fact of the backend), and under auto where no installed
+    backend takes it (built again, routed once more)."""
     def resolved(host=False):
         return resolve_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1], device=q.device,
                             policy=policy, plan=plan, host=host)
 
-    found = resolved()
+    named = BACKENDS.get(policy.backend)
+    found = resolved(host=named is not None and not named.runs_static(q.device.type))
     try:
         return found, route(q, k, v, found, mask4, opts, policy)
     except BackendUnavailableError:

@@ -70,7 +70,6 @@ def _enter_model(model, args, kwargs):
             params = _param_names(type(model)) or ()
             if "attention_mask" in params[:len(args)]:
                 mask = args[params.index("attention_mask")]
-    if state.restore_checkpoint_mask:
         _install_checkpointing(state)  # a function set after enabling is wrapped here (also traced)
     if not torch.compiler.is_compiling():
         _install_compiled(model, state)  # modules compiled since the last forward get theirs now
@@ -88,8 +87,12 @@ def _enter_attention(module, args):
     # Traced, the model's own entry (pushed by its hook, eagerly or in the same trace) is what the
     # graph reads; a push here could sit inside a checkpoint's traced body, which takes none.
     state = module.__dict__.get("_varlen_owner")
-    if state is not None and not torch.compiler.is_compiling():
-        push(Entry(state.policy(), owner=module))
+    if state is None or torch.compiler.is_compiling():
+        return
+    top = current()
+    if top is not None and top.policy is state._policy:
+        return  # inside its model's forward: that entry routes the module (its leave pops only its own)
+    push(Entry(state.policy(), owner=module))
 
 
 def _leave_attention(module, args, output):

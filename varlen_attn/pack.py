@@ -21,7 +21,7 @@ def _scatter(y, indices, rows, inverse=None, padding=None):
         # A static plan without an inverse: ``indices`` permutes every row, so every row is written;
         # the padding's twins hold what the kernel left past cu_seqlens[-1]: filled.
         out = y.new_empty((rows,) + tuple(y.shape[1:])).index_copy_(0, indices, y)
-        return out.masked_fill(padding.view((-1,) + (1,) * (out.dim() - 1)), 0)
+        return out.masked_fill_(padding.view((-1,) + (1,) * (out.dim() - 1)), 0)
     if inverse is None or y.shape[0] == 0:
         out = y.new_zeros((rows,) + tuple(y.shape[1:]))
         return out.index_copy_(0, indices, y)

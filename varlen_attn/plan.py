@@ -482,13 +482,8 @@ def static_sides(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: 
 
 def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int) -> VarlenPlan:
     """The static plan whose tensors :func:`static_plan_tensors_of` put in one int64 vector."""
-    (pq, iq, cq, padq), (pk, ik, ck, padk) = static_sides(tensors, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    return VarlenPlan(
-        batch_size=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k, packable=True, device=pq.device,
-        cu_seqlens_q=cq, cu_seqlens_k=ck, indices_q=pq, indices_k=pk,
-        max_seqlen_q=seqlen_q, max_seqlen_k=seqlen_k, total_q=batch * seqlen_q, total_k=batch * seqlen_k,
-        inverse_q=iq, inverse_k=ik, padding_q=padq, padding_k=padk, static=True,
-    )
+    q_side, k_side = static_sides(tensors, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
+    return _padding_plan(batch, seqlen_q, seqlen_k, q_side, k_side, None)
 
 
 def _static_side(valid: torch.Tensor):
@@ -623,7 +618,8 @@ def key_padding_side(mask4: torch.Tensor, *, batch: int, seqlen_k: int):
     return dead, (order, None, cu, padding)
 
 
-def _padding_plan(batch: int, sq: int, sk: int, q_side, k_side, dead, read_as_bool: bool = False) -> VarlenPlan:
+def _padding_plan(batch: int, sq: int, sk: int, q_side, k_side, dead, read_as_bool: bool = False,
+                  self_aligned: bool = False) -> VarlenPlan:
     """A static plan (:attr:`VarlenPlan.static`) from its sides (:func:`padding_side`); ``q_side``
     None: every query row in its place (nothing to gather)."""
     pq, iq, cq, padq = q_side if q_side is not None else (None, None, _identity_cu(batch, sq, k_side[2].device), None)
@@ -633,7 +629,7 @@ def _padding_plan(batch: int, sq: int, sk: int, q_side, k_side, dead, read_as_bo
         cu_seqlens_q=cq, cu_seqlens_k=ck, indices_q=pq, indices_k=pk,
         max_seqlen_q=sq, max_seqlen_k=sk, total_q=batch * sq, total_k=batch * sk,
         q_identity=q_side is None, inverse_q=iq, inverse_k=ik, padding_q=padq, padding_k=padk,
-        static=True, dead=dead, read_as_bool=read_as_bool,
+        static=True, dead=dead, read_as_bool=read_as_bool, self_aligned=self_aligned,
     )
 
 
@@ -686,9 +682,8 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
         return _build(mask4, batch, seqlen_q, seqlen_k, None, "torch", as_bool is not None)
     if any_dead:
         valid_q, valid_k = valid_q | dead[:, None], valid_k | dead[:, None]
-    plan = _padding_plan(batch, seqlen_q, seqlen_k, None if all_q else padding_side(valid_q), padding_side(valid_k),
-                         dead if any_dead else None, read_as_bool)
-    return dataclasses.replace(plan, self_aligned=True) if aligned else plan
+    return _padding_plan(batch, seqlen_q, seqlen_k, None if all_q else padding_side(valid_q), padding_side(valid_k),
+                         dead if any_dead else None, read_as_bool, aligned)
 
 
 def is_key_padding(mask4: torch.Tensor) -> bool:

@@ -116,6 +116,10 @@ class Backend:
     # graph"), with no Python of ours at run time but one plan lookup per call.
     TRACEABLE: bool = False
 
+    def runs_static(self, device_type: str) -> bool:
+        """The backend can run a static plan (:attr:`VarlenPlan.static`) on this device type."""
+        return self.STATIC_PLANS and (self.STATIC_PLANS_DEVICES is None or device_type in self.STATIC_PLANS_DEVICES)
+
     def is_installed(self) -> bool:
         return all(importlib.util.find_spec(m) is not None for m in self.REQUIRES)
 
@@ -154,7 +158,7 @@ class Backend:
             reasons.append("value head dim different from query head dim not supported")
         if inp.plan.static and not self.STATIC_PLANS:
             reasons.append("needs segment lengths on the host (a plan for CUDA graphs has them on the device only)")
-        elif inp.plan.static and self.STATIC_PLANS_DEVICES is not None and dev.type not in self.STATIC_PLANS_DEVICES:
+        elif inp.plan.static and not self.runs_static(dev.type):
             reasons.append(f"reads a static plan's lengths on the host ({', '.join(sorted(self.STATIC_PLANS_DEVICES))} only)")
         return reasons
 

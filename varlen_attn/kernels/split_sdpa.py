@@ -21,9 +21,10 @@ class SplitSdpaBackend(Backend):
         p = inp.plan
         gqa = inp.q.shape[1] != inp.k.shape[1]
         outs = []
-        lens_q, lens_k = list(p.seqlens_q), list(p.seqlens_k)
         if p.static:  # the rows past cu_seqlens[-1] are padding: one more split each, not attended
             lens_q, lens_k = _lengths(p.cu_seqlens_q), _lengths(p.cu_seqlens_k)
+        else:
+            lens_q, lens_k = list(p.seqlens_q), list(p.seqlens_k)
         # torch.split, not one slice per segment: split's backward is one cat, while each
         # slice's backward zero-fills a full-size gradient (benchmarks/NOTES.md, change 1).
         rest_q, rest_k = inp.q.shape[0] - sum(lens_q), inp.k.shape[0] - sum(lens_k)
