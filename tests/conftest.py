@@ -30,12 +30,16 @@ def fresh_dynamo():
 
 
 @pytest.fixture(autouse=True)
-def _fresh_backend_selection():
+def _fresh_caches():
     """Backend selection is cached by what it reads of a call (varlen_attn.execution._selected):
     right while the backends' declarations and auto's priority stay as they are, which tests
-    monkeypatch. Each test starts with none cached."""
+    monkeypatch. Plans are cached by mask value (varlen_attn.clear_plan_cache), which tests count.
+    Each test starts with neither cached."""
+    import varlen_attn
     import varlen_attn.execution
 
     varlen_attn.execution._selected.clear()
+    varlen_attn.clear_plan_cache()
     yield
     varlen_attn.execution._selected.clear()
+    varlen_attn.clear_plan_cache()

@@ -108,7 +108,7 @@ def test_a_key_padding_mask_runs_in_the_graph_with_no_host_read(checkpointing):
     the keys and values, reads nothing on the host and equals stock, also for a batch element
     with no key at all (its queries attend nothing: zeros, as SDPA), and with checkpointing
     (the recomputation runs the same graph); the outer-product block takes the custom op, one
-    host read a call. No step recompiles."""
+    host read a call, one plan a mask. No step recompiles."""
     stock = _Model(["keys", "padding"], checkpointing)
     model = va.enable_varlen(_Model(["keys", "padding"], checkpointing), backend="reference")
     backend = Recording()
@@ -120,8 +120,11 @@ def test_a_key_padding_mask_runs_in_the_graph_with_no_host_read(checkpointing):
         va.reset_stats()
         assert_model_close(_out_and_grads(model, _x(i), mask), _out_and_grads(stock, _x(i), mask), what=f"{lengths} {image}")
         st = va.stats()
-        # Only the custom op's calls are counted (the traced kernel runs no Python of ours).
-        assert st["host_syncs"] == st["plan_builds"] == calls and st["backends"] == {"reference": calls}, st
+        # Only the custom op's calls are counted (the traced kernel runs no Python of ours): one
+        # plan for the step's outer product, one read a call, and in a later step one more (the
+        # new mask compared with the kept copy of the last).
+        assert st["plan_builds"] == 1 and st["host_syncs"] == calls + (i > 0), st
+        assert st["backends"] == {"reference": calls}, st
         if i == 0:
             graphs = len(backend.graphs)
     assert len(backend.graphs) == graphs, "a new mask recompiled"

@@ -188,7 +188,9 @@ def test_a_model_without_diffusers_attention_modules_checkpointed_by_the_caller(
     va.enable_varlen(model, backend="reference")
     va.reset_stats()
     got = _out_and_grads(model, _x(0), _mask((3, 0, 5)))
-    assert va.stats()["plan_builds"] == 4 and not va.stats()["fallbacks"], va.stats()  # forward and recomputation
+    # key padding: a plan per call, forward and recomputation; the outer product: one plan, which
+    # the recomputation's mask, equal in value, takes
+    assert va.stats()["plan_builds"] == 3 and not va.stats()["fallbacks"], va.stats()
     assert_model_close(got, _out_and_grads(stock, _x(0), _mask((3, 0, 5))), what=f"reentrant={reentrant}")
 
 

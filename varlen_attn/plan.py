@@ -569,9 +569,11 @@ _CACHE = _PlanCache()
 
 
 def clear_plan_cache() -> None:
-    """Forget every plan cached by :func:`build_plan` (the next call on any mask builds anew),
-    and the cached all-valid plans. Plans already handed out stay valid."""
+    """Forget every plan cached by :func:`build_plan` and by attention calls (:func:`call_plan`;
+    this frees their copies of the masks), and the cached all-valid plans: the next call on any
+    mask builds anew. Plans already handed out stay valid."""
     _CACHE.clear()
+    _CALL_PLANS.clear()
     _FULL_PLANS.clear()
 
 
@@ -633,19 +635,61 @@ def _padding_plan(batch: int, sq: int, sk: int, q_side, k_side, dead, read_as_bo
     )
 
 
+class _CallPlans:
+    """The plans of attention calls' masks other than boolean key padding, each kept with a copy
+    of the mask it was built from, one per mask shape and reading (``key``). A call takes the plan
+    only where its mask equals the copy in value (compared on the device: the call's one host
+    read), so a model whose layers each derive the same mask (Chroma's ``[B, 1, S, S]``
+    outer product, 114 calls a training step at full depth) builds its plan once per distinct
+    mask, and a mask that differs in any value, however it was made or written, is built anew.
+
+    Why: building in every call cost Chroma's 1024 px training step 13% (1.35x -> 1.17x over
+    stock, H200, FA4, benchmarks/NOTES.md entry 47); a read alone costs about 0.26 ms with the
+    GPU saturated. The copy costs the mask's memory once per key (a bool ``[3, 1, 4608, 4608]``
+    mask is 64 MB); :func:`clear_plan_cache` frees them."""
+
+    def __init__(self, capacity: int = 4):
+        self._entries: dict[tuple, tuple[torch.Tensor, VarlenPlan]] = {}
+        self._lock = threading.Lock()
+        self._capacity = capacity
+
+    def get(self, mask4: torch.Tensor, key: tuple) -> VarlenPlan | None:
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is None:
+            return None
+        return None if _host(torch.ne(entry[0], mask4).any()) else entry[1]
+
+    def put(self, mask4: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
+        snapshot = mask4.detach().clone()
+        with self._lock:
+            self._entries.pop(key, None)
+            if len(self._entries) >= self._capacity:
+                self._entries.pop(next(iter(self._entries)))
+            self._entries[key] = (snapshot, plan)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_CALL_PLANS = _CallPlans()
+
+
 def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
               float01_as_bool: bool = False, host: bool = False) -> VarlenPlan:
-    """The plan of one attention call, built from that call's own mask ``mask4`` (its
-    ``[B|1, H|1, Sq|1, Sk]`` view, :func:`~varlen_attn.masks.canonical_mask`): nothing is cached,
-    so nothing has to be proven equal to an earlier mask.
+    """The plan of one attention call, from that call's own mask ``mask4`` (its
+    ``[B|1, H|1, Sq|1, Sk]`` view, :func:`~varlen_attn.masks.canonical_mask`).
 
     * A boolean key-padding mask (``[B|1, 1, 1, Sk]``: every query attends the same keys): a
-      static plan on the device with **no host read**; queries stay in place.
-    * Any other mask: read as a padding mask on the device
+      static plan built on the device with **no host read**; queries stay in place.
+    * Any other mask: the plan of an earlier call whose mask this one equals in value
+      (:class:`_CallPlans`: one host read), else built: read as a padding mask on the device
       (:func:`~varlen_attn.masks.read_padding`), its flags and two facts in **one** host read;
       a padding mask gets a static plan (queries in place where all are valid), an unpackable one
       a plan that says why, and a mask of several segments per element the general plan
-      (:func:`build_plan`, one more read).
+      (:func:`build_plan`, one more read). A mask that differs from the kept copy of its shape
+      takes that comparison's read too.
 
     An element none of whose queries attends a key (caption dropout on a key-padding mask, an
     all-masked row) keeps one full segment, so no kernel sees an empty one, and is named in
@@ -653,12 +697,23 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
 
     ``host``: the general plan, segment lengths on the host (one read), for a backend that cannot
     run a static plan (``split_sdpa`` on a GPU)."""
-    _stats.record_plan_build()
-    if host:
-        return _build(mask4, batch, seqlen_q, seqlen_k, None, "torch", float01_as_bool and mask4.is_floating_point())
-    if is_key_padding(mask4):
+    if is_key_padding(mask4) and not host:
+        _stats.record_plan_build()
         dead, k_side = key_padding_side(mask4, batch=batch, seqlen_k=seqlen_k)
         return _padding_plan(batch, seqlen_q, seqlen_k, None, k_side, dead)
+    key = (tuple(mask4.shape), mask4.dtype, mask4.device, batch, seqlen_q, seqlen_k, float01_as_bool, host)
+    plan = _CALL_PLANS.get(mask4, key)
+    if plan is None:
+        _stats.record_plan_build()
+        plan = _built_plan(mask4, batch, seqlen_q, seqlen_k, float01_as_bool, host)
+        _CALL_PLANS.put(mask4, key, plan)
+    return plan
+
+
+def _built_plan(mask4, batch, seqlen_q, seqlen_k, float01_as_bool, host) -> VarlenPlan:
+    """:func:`call_plan`'s build for a mask that is not boolean key padding (or for ``host``)."""
+    if host:
+        return _build(mask4, batch, seqlen_q, seqlen_k, None, "torch", float01_as_bool and mask4.is_floating_point())
     m4, as_bool = mask4, None
     if float01_as_bool and m4.is_floating_point():
         m4, as_bool = read_float01_as_bool(m4)
