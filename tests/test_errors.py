@@ -104,6 +104,31 @@ def test_build_plan_warns_once_for_a_float01_mask(monkeypatch, caplog):
     assert dropped.packable and dropped.seqlens_k == (3, 3) and not dropped.read_as_bool
 
 
+def test_enable_varlen_on_a_pipeline_names_the_part_to_pass():
+    """A diffusers pipeline is not a module: enable_varlen says in one short line which part to
+    pass (the transformer, or the unet of a UNet pipeline), without the pipeline's config (its
+    repr), also when the pipeline's transformer is not loaded."""
+    import _models
+    from diffusers import (ChromaPipeline, DDIMScheduler, FlowMatchEulerDiscreteScheduler, StableDiffusionPipeline,
+                           UNet2DConditionModel)
+
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None)
+    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, norm_num_groups=4,
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), cross_attention_dim=8,
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=2)
+    for pipe, part in ((ChromaPipeline(transformer=_models.tiny_chroma(), **parts), "transformer"),
+                       (ChromaPipeline(transformer=None, **parts), "transformer"),
+                       (StableDiffusionPipeline(vae=None, text_encoder=None, tokenizer=None, unet=unet,
+                                                scheduler=DDIMScheduler(), safety_checker=None, feature_extractor=None,
+                                                requires_safety_checker=False), "unet")):
+        with pytest.raises(va.InputTypeError) as info:
+            va.enable_varlen(pipe)
+        message = str(info.value)
+        assert message == (f"model must be the {part} (a torch.nn.Module), not a pipeline: pass pipe.{part}; "
+                           f"got {type(pipe).__name__}"), message
+        assert getattr(pipe, part) is None or not hasattr(getattr(pipe, part), "_varlen_state")
+
+
 def test_explicit_backend_never_falls_back_silently():
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     with pytest.raises(va.BackendUnavailableError, match="needs a packable mask"):
