@@ -10,7 +10,7 @@ arguments, same returns) that need no flash-attn install. With a plan built once
 import torch
 import torch.nn.functional as F
 
-import kernels_ref  # the pure-PyTorch flash_attn_varlen_func; use flash_attn's on a GPU
+import varlen_attn_ref  # the pure-PyTorch flash_attn_varlen_func; use flash_attn's on a GPU
 import varlen_attn as va
 
 
@@ -32,7 +32,7 @@ class CrossAttention(torch.nn.Module):
         (idx_q, cu_q, max_q), (idx_k, cu_k, max_k) = q_plan_args, kv_plan_args
         q_p = q.flatten(0, 1)[idx_q]
         k_p, v_p = k.flatten(0, 1)[idx_k], v.flatten(0, 1)[idx_k]
-        out = kernels_ref.flash_attn_varlen_func(q_p, k_p, v_p, cu_q, cu_k, max_q, max_k)
+        out = varlen_attn_ref.flash_attn_varlen_func(q_p, k_p, v_p, cu_q, cu_k, max_q, max_k)
         return va.pad_input(out.flatten(1), idx_q, b, n)
 
 

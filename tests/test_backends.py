@@ -1,5 +1,5 @@
 """Backend plumbing on the CPU: the FA2/FA3/FA4 and torch-builtin adapters are exercised by
-injecting kernels_ref under their module names; selection and diagnostics."""
+injecting varlen_attn_ref under their module names; selection and diagnostics."""
 
 import inspect
 import logging
@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
-import kernels_ref
+import varlen_attn_ref
 import varlen_attn as va
 from _testing import assert_matches, cases, run_with_grads, sdpa_fn
 from varlen_attn import kernels
@@ -22,7 +22,7 @@ ALL = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
 
 
 class Recorder:
-    """A flash_attn_varlen_func that checks what flash-attn would check, then runs kernels_ref."""
+    """A flash_attn_varlen_func that checks what flash-attn would check, then runs varlen_attn_ref."""
 
     def __init__(self, returns_lse: bool):
         self.returns_lse = returns_lse
@@ -35,7 +35,7 @@ class Recorder:
         self.calls.append(kw)
         # Rows past cu_seqlens[-1] (a static plan's padding) are read by no segment, as in flash-attn.
         tq, tk = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
-        out = kernels_ref.flash_attn_varlen_func(q[:tq], k[:tk], v[:tk], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+        out = varlen_attn_ref.flash_attn_varlen_func(q[:tq], k[:tk], v[:tk], cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                  max_seqlen_k, **kw)
         out = torch.cat([out, out.new_zeros((q.shape[0] - tq, *out.shape[1:]))])
         return (out, None) if self.returns_lse else out
@@ -43,7 +43,7 @@ class Recorder:
 
 @pytest.fixture
 def fake_flash(monkeypatch):
-    """flash_attn (FA2), flash_attn_interface (FA3) and flash_attn.cute (FA4) backed by kernels_ref,
+    """flash_attn (FA2), flash_attn_interface (FA3) and flash_attn.cute (FA4) backed by varlen_attn_ref,
     with the backends' device/dtype declarations widened to the CPU and float64."""
     recs = {"flash_attn": Recorder(False), "flash_attn_3": Recorder(True), "flash_attn_4": Recorder(True)}
     fa2 = types.ModuleType("flash_attn.flash_attn_interface")
@@ -73,7 +73,7 @@ def fake_flash(monkeypatch):
 
 def fake_fa4_interface(recorder):
     """flash_attn.cute.interface's forward and backward entry points (what the fused path calls),
-    over kernels_ref: forward returns (out, lse, ...); backward differentiates kernels_ref."""
+    over varlen_attn_ref: forward returns (out, lse, ...); backward differentiates varlen_attn_ref."""
     iface = types.ModuleType("flash_attn.cute.interface")
 
     def _flash_attn_fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
@@ -81,7 +81,7 @@ def fake_fa4_interface(recorder):
         assert return_lse and cu_seqlens_q.dtype == torch.int32 and type(max_seqlen_q) is int
         recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "fwd"})
         tq, tk = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])  # rows past them: read by no segment
-        out, lse, _ = kernels_ref.flash_attn_varlen_func(
+        out, lse, _ = varlen_attn_ref.flash_attn_varlen_func(
             q[:tq], k[:tk], v[:tk], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
         assert lse.shape == (q.shape[1], tq) and lse.dtype == torch.float32
@@ -93,7 +93,7 @@ def fake_fa4_interface(recorder):
                         max_seqlen_q, max_seqlen_k):
         assert out.shape == dout.shape == q.shape[:2] + v.shape[-1:] and lse.shape == (q.shape[1], q.shape[0])
         recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "bwd"})
-        # The real entry point computes gradients itself; this fake differentiates kernels_ref,
+        # The real entry point computes gradients itself; this fake differentiates varlen_attn_ref,
         # so inside the compiled custom op it needs autograd's dispatch keys back, and under
         # inference_mode to be off, with normal copies of its inputs.
         from varlen_attn.op import _autograd_dispatch
@@ -103,7 +103,7 @@ def fake_fa4_interface(recorder):
             qd, kd, vd, dout, cu_seqlens_q, cu_seqlens_k = (
                 t.clone() for t in (q[:tq], k[:tk], v[:tk], dout[:tq], cu_seqlens_q, cu_seqlens_k))
             qd, kd, vd = (t.requires_grad_() for t in (qd, kd, vd))
-            o = kernels_ref.flash_attn_varlen_func(qd, kd, vd, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+            o = varlen_attn_ref.flash_attn_varlen_func(qd, kd, vd, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                    max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
             grads = torch.autograd.grad(o, (qd, kd, vd), dout)
             # Past the last segment the real kernel leaves what it likes: NaN, which must not reach a gradient.
@@ -232,12 +232,12 @@ def test_fa4_refuses_head_dims_it_cannot_run(fake_flash):
 
 
 def _fake_varlen(signature: str):
-    """torch.nn.attention.varlen.varlen_attn as shipped in torch 2.11 or 2.13, over kernels_ref."""
+    """torch.nn.attention.varlen.varlen_attn as shipped in torch 2.11 or 2.13, over varlen_attn_ref."""
     seen = {}
 
     def ref(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale, causal):
         tq, tk = int(cu_seq_q[-1]), int(cu_seq_k[-1])  # rows past them: read by no segment
-        out = kernels_ref.flash_attn_varlen_func(query[:tq], key[:tk], value[:tk], cu_seq_q, cu_seq_k, max_q, max_k,
+        out = varlen_attn_ref.flash_attn_varlen_func(query[:tq], key[:tk], value[:tk], cu_seq_q, cu_seq_k, max_q, max_k,
                                                  softmax_scale=scale, causal=causal)
         return torch.cat([out, out.new_zeros((query.shape[0] - tq, *out.shape[1:]))])
 
@@ -322,7 +322,7 @@ def test_float32_routes_to_a_backend_that_supports_it():
 
 
 def test_import_never_imports_flash_attn():
-    code = "import sys, varlen_attn; assert not [m for m in sys.modules if m.startswith(('flash_attn', 'kernels_ref'))], sys.modules.keys()"
+    code = "import sys, varlen_attn; assert not [m for m in sys.modules if m.startswith(('flash_attn', 'varlen_attn_ref'))], sys.modules.keys()"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

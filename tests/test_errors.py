@@ -1,5 +1,6 @@
 """Bad input: one exception family, the argument named, expected and received stated."""
 
+import logging
 from fractions import Fraction
 
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import varlen_attn as va
+import varlen_attn._errors
 
 q = torch.randn(2, 4, 6, 8)
 k = torch.randn(2, 4, 6, 8)
@@ -49,6 +51,12 @@ sdpa = va.scaled_dot_product_attention
         (lambda: va.build_plan(torch.ones(2, 4, dtype=torch.bool), strict=1), TypeError, "strict must be a bool, got int 1"),
         (lambda: va.build_plan(torch.ones(2, 4, dtype=torch.bool), cache="no"), TypeError, "cache must be a bool, got str"),
         (lambda: va.build_plan(torch.ones(2, 4), float01_as_bool=None), TypeError, "float01_as_bool must be a bool"),
+        # a keep-mask shaped for hidden states ([B, S, 1]) read as one key per query (Sk=1)
+        (lambda: va.build_plan(torch.ones(2, 4, 1, dtype=torch.bool)), ValueError,
+         r"attn_mask's last dim is the key length, got shape \(2, 4, 1\) \(Sk=1 under Sq=4\).*squeeze\(-1\)"),
+        (lambda: va.build_plan(torch.ones(2, 1, 4, 1)), ValueError, r"got shape \(2, 1, 4, 1\) \(Sk=1 under Sq=4\)"),
+        (lambda: va.build_plan(torch.ones(4, 1, dtype=torch.bool), convention="torch"), ValueError,
+         r"got shape \(4, 1\) \(Sk=1 under Sq=4\).*pass seqlen_k"),
         (lambda: va.plan_from_seqlens([1, 2], [1]), ValueError, "seqlens_q and seqlens_k must have the same length"),
         (lambda: va.plan_from_seqlens([4], seqlen_q=3), ValueError, "exceeds the padded length"),
         (lambda: va.pack(torch.randn(2, 5, 3), va.plan_from_seqlens([1, 2], seqlen_q=4)), ValueError, r"x must be \[B, S, ...\] with B=2, S=4"),
@@ -59,6 +67,66 @@ def test_bad_input_raises_named_error(call, exc, match):
     with pytest.raises(va.VarlenAttnError, match=match) as info:
         call()
     assert isinstance(info.value, exc)
+
+
+def test_build_plan_takes_a_trailing_one_with_seqlen_k_given():
+    """The [B, S, 1] refusal leaves alone what is meant: a seqlen_k given broadcasts the value over
+    every key (query padding, as SDPA broadcasts it), seqlen_k=1 is a single key, and [B, 1] is a
+    key-padding mask of one key per element."""
+    keep = torch.arange(4)[None] < torch.tensor([4, 2])[:, None]
+    rows = va.build_plan(keep[:, :, None], seqlen_k=4)
+    assert rows.seqlens_q == (4, 2) and rows.seqlens_k == (4, 4)
+    one = va.build_plan(keep[:, :, None], seqlen_k=1)
+    assert one.seqlen_k == 1 and one.seqlens_q == (4, 2) and one.seqlens_k == (1, 1)
+    assert va.build_plan(torch.ones(3, 1, dtype=torch.bool)).seqlens_k == (1, 1, 1)
+
+
+def test_build_plan_warns_once_for_a_float01_mask(monkeypatch, caplog):
+    """A float mask of 0s and 1s keeps SDPA's additive reading in build_plan (0 masks nothing out),
+    almost surely not what its caller meant: one warning per process naming float01_as_bool.
+    Additive masks (0/-inf), an all-ones float mask (both readings keep every key) and
+    float01_as_bool=True get none."""
+    monkeypatch.setattr(varlen_attn._errors, "_warned", set())
+    keep = torch.arange(6)[None] < torch.tensor([6, 3])[:, None]
+    with caplog.at_level(logging.WARNING, logger="varlen_attn"):
+        additive = va.build_plan(torch.zeros(2, 6).masked_fill(~keep, float("-inf")), cache=False)
+        ones = va.build_plan(torch.ones(2, 6), cache=False)
+        as_bool = va.build_plan(keep.double(), float01_as_bool=True, cache=False)
+        assert [r.getMessage() for r in caplog.records] == []
+        plans = [va.build_plan(keep.float(), cache=False) for _ in range(3)]
+        # rows of all 1 and all 0: uniform rows, packable as a bias (every key), not as keep-mask
+        dropped = va.build_plan(torch.tensor([[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]), cache=False)
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "float01_as_bool=True" in warned[0] and "shape (2, 6)" in warned[0], warned
+    assert additive.seqlens_k == (6, 3) and as_bool.read_as_bool and as_bool.seqlens_k == (6, 3)
+    assert ones.seqlens_k == (6, 6) and not ones.read_as_bool
+    assert all(not p.packable and "bias" in p.reason and not p.read_as_bool for p in plans)
+    assert dropped.packable and dropped.seqlens_k == (3, 3) and not dropped.read_as_bool
+
+
+def test_enable_varlen_on_a_pipeline_names_the_part_to_pass():
+    """A diffusers pipeline is not a module: enable_varlen says in one short line which part to
+    pass (the transformer, or the unet of a UNet pipeline), without the pipeline's config (its
+    repr), also when the pipeline's transformer is not loaded."""
+    import _models
+    from diffusers import (ChromaPipeline, DDIMScheduler, FlowMatchEulerDiscreteScheduler, StableDiffusionPipeline,
+                           UNet2DConditionModel)
+
+    parts = dict(scheduler=FlowMatchEulerDiscreteScheduler(), vae=None, text_encoder=None, tokenizer=None)
+    unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8, norm_num_groups=4,
+                                down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"), cross_attention_dim=8,
+                                up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"), attention_head_dim=2)
+    for pipe, part in ((ChromaPipeline(transformer=_models.tiny_chroma(), **parts), "transformer"),
+                       (ChromaPipeline(transformer=None, **parts), "transformer"),
+                       (StableDiffusionPipeline(vae=None, text_encoder=None, tokenizer=None, unet=unet,
+                                                scheduler=DDIMScheduler(), safety_checker=None, feature_extractor=None,
+                                                requires_safety_checker=False), "unet")):
+        with pytest.raises(va.InputTypeError) as info:
+            va.enable_varlen(pipe)
+        message = str(info.value)
+        assert message == (f"model must be the {part} (a torch.nn.Module), not a pipeline: pass pipe.{part}; "
+                           f"got {type(pipe).__name__}"), message
+        assert getattr(pipe, part) is None or not hasattr(getattr(pipe, part), "_varlen_state")
 
 
 def test_explicit_backend_never_falls_back_silently():

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-import kernels_ref
+import varlen_attn_ref
 import varlen_attn as va
 from _testing import BlocksInARow, Recording, assert_model_close, ran_in_graph
 
@@ -45,7 +45,7 @@ def unwritten_rows(monkeypatch):
         past_q = (torch.arange(q.shape[0]) >= cu_q[-1])[:, None, None]
         past_k = (torch.arange(k.shape[0]) >= cu_k[-1])[:, None, None]
         q, k, v = _Unwritten.apply(q, past_q), _Unwritten.apply(k, past_k), _Unwritten.apply(v, past_k)
-        return torch.where(past_q, float("nan"), kernels_ref.varlen_attention_dense(q, k, v, cu_q, cu_k, scale))
+        return torch.where(past_q, float("nan"), varlen_attn_ref.varlen_attention_dense(q, k, v, cu_q, cu_k, scale))
 
     monkeypatch.setattr(va.kernels.BACKENDS["reference"].__class__, "traced_forward", traced_forward)
 
@@ -182,7 +182,7 @@ def _out_and_grads(model, x, mask, params=None):
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=4), st.lists(st.integers(0, 5), min_size=1, max_size=4),
        st.integers(0, 3), st.integers(0, 3))
 def test_the_dense_oracle_equals_the_looping_oracle(lens_q, lens_k, spare_q, spare_k):
-    """``kernels_ref.varlen_attention_dense`` (the traced form) equals ``flash_attn_varlen_func``
+    """``varlen_attn_ref.varlen_attention_dense`` (the traced form) equals ``flash_attn_varlen_func``
     on every sequence, outputs and gradients, and gives zeros and zero gradients on the spare
     rows past the last sequence (whatever they hold)."""
     n = min(len(lens_q), len(lens_k))
@@ -200,8 +200,8 @@ def test_the_dense_oracle_equals_the_looping_oracle(lens_q, lens_k, spare_q, spa
         out = fn(*inputs)
         return [out, *torch.autograd.grad((out * w[: out.shape[0]]).sum(), inputs, allow_unused=True)]
 
-    dense = grads(lambda q, k, v: kernels_ref.varlen_attention_dense(q, k, v, cu_q, cu_k, 0.3), q, k, v)
-    looping = grads(lambda q, k, v: kernels_ref.flash_attn_varlen_func(
+    dense = grads(lambda q, k, v: varlen_attn_ref.varlen_attention_dense(q, k, v, cu_q, cu_k, 0.3), q, k, v)
+    looping = grads(lambda q, k, v: varlen_attn_ref.flash_attn_varlen_func(
         q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), softmax_scale=0.3), q[:tq], k[:tk], v[:tk])
     for got, want in zip(dense, looping):
         rows = want.shape[0]
@@ -275,7 +275,7 @@ class _OwnEntryPoints(va.kernels.Backend):
 
     def forward_lse(self, inp):
         p = inp.plan
-        out = kernels_ref.varlen_attention_dense(inp.q, inp.k, inp.v, p.cu_seqlens_q, p.cu_seqlens_k, inp.scale)
+        out = varlen_attn_ref.varlen_attention_dense(inp.q, inp.k, inp.v, p.cu_seqlens_q, p.cu_seqlens_k, inp.scale)
         return out.masked_fill(self._past(out, p.cu_seqlens_q), float("nan")), self._lse(inp).float()
 
     @staticmethod
@@ -283,7 +283,7 @@ class _OwnEntryPoints(va.kernels.Backend):
         """``[Hq, Tq]`` log-sum-exp of each valid row's scores over its segment's keys (-inf past
         the last segment)."""
         p = inp.plan
-        see = kernels_ref.same_segment(inp.q.shape[0], inp.k.shape[0], p.cu_seqlens_q, p.cu_seqlens_k)
+        see = varlen_attn_ref.same_segment(inp.q.shape[0], inp.k.shape[0], p.cu_seqlens_q, p.cu_seqlens_k)
         scores = torch.einsum("qhd,khd->hqk", inp.q, inp.k) * inp.scale
         return torch.logsumexp(scores.masked_fill(~see, float("-inf")), dim=-1)
 
@@ -300,7 +300,7 @@ class _OwnEntryPoints(va.kernels.Backend):
         torch.testing.assert_close(lse[:, valid], self._lse(inp)[:, valid].float())
         q, k, v = (t.detach().requires_grad_() for t in (inp.q, inp.k, inp.v))
         with va.op._autograd_dispatch(), torch.enable_grad():  # autograd, below which a custom op runs
-            o = kernels_ref.varlen_attention_dense(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, inp.scale)
+            o = varlen_attn_ref.varlen_attention_dense(q, k, v, p.cu_seqlens_q, p.cu_seqlens_k, inp.scale)
             grads = torch.autograd.grad(o, (q, k, v), dout.masked_fill(self._past(dout, p.cu_seqlens_q), 0))
         return tuple(g.masked_fill(self._past(g, cu), float("nan"))
                      for g, cu in zip(grads, (p.cu_seqlens_q, p.cu_seqlens_k, p.cu_seqlens_k)))

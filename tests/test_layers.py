@@ -2,7 +2,7 @@
 
 The import graph is read from the source (``ast``), imports inside functions included, so a
 cycle hidden behind a function-level import fails too. Optional third-party packages and the
-oracle package ``kernels_ref`` are outside ``varlen_attn`` and not part of the graph.
+oracle package ``varlen_attn_ref`` are outside ``varlen_attn`` and not part of the graph.
 """
 
 import ast

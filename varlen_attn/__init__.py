@@ -1,4 +1,4 @@
-"""varlen_attn: masked attention at the speed of unmasked attention, equal to masked SDPA.
+"""varlen_attn: masked attention run on varlen kernels (valid tokens packed), equal to masked SDPA.
 
 Layers, bottom up (a module imports only from layers below it; docs/design.md):
 ``masks`` (a mask read as segments) -> ``plan`` (a call's plan, from its own mask) -> ``pack``
@@ -27,6 +27,7 @@ from .padding import pad_input, unpad_input
 from .plan import VarlenPlan, build_plan, clear_plan_cache, plan_from_seqlens
 from .processor import VarlenAttnProcessor
 
+# The one place the version is written: pyproject.toml reads it from here without importing.
 __version__ = "0.1.0"
 
 __all__ = [

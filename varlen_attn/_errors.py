@@ -8,6 +8,7 @@ Messages name the argument, what was expected and what was received.
 
 from __future__ import annotations
 
+import logging
 import operator
 
 import torch
@@ -86,3 +87,13 @@ def as_real(name: str, value: object, expected: str = "a float or a 0-d tensor")
           and getattr(getattr(value, "dtype", None), "kind", "") in ("b", "i", "u", "f")):  # numpy scalars, bool too
         return float(value)
     raise InputTypeError(f"{name} must be {expected}, got {describe(value)}")
+
+
+_warned: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as a warning of the ``varlen_attn`` logger, once per process per ``key``."""
+    if key not in _warned:
+        _warned.add(key)
+        logging.getLogger("varlen_attn").warning(message)

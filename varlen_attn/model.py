@@ -162,11 +162,15 @@ def enable_varlen(
         ``model`` itself; :func:`varlen` is the context-manager form.
     """
     if not isinstance(model, torch.nn.Module):
-        hint = ""
-        if isinstance(getattr(model, "transformer", None), torch.nn.Module):
-            hint = ": a pipeline? enable its transformer, enable_varlen(pipe.transformer)"
-        raise InputTypeError(f"model must be a torch.nn.Module, got {type(model).__name__}{hint}"
-                             if hint else f"model must be a torch.nn.Module, got {describe(model)}")
+        # A diffusers pipeline (known by class name: diffusers is not imported here) or a holder of
+        # a transformer: one line naming the part to pass, not describe()'s repr (a config dump).
+        if (any(c.__name__ == "DiffusionPipeline" for c in type(model).__mro__)
+                or isinstance(getattr(model, "transformer", None), torch.nn.Module)):
+            part = ("unet" if getattr(model, "transformer", None) is None
+                    and isinstance(getattr(model, "unet", None), torch.nn.Module) else "transformer")
+            raise InputTypeError(f"model must be the {part} (a torch.nn.Module), not a pipeline: "
+                                 f"pass pipe.{part}; got {type(model).__name__}")
+        raise InputTypeError(f"model must be a torch.nn.Module, got {describe(model)}")
     Policy.of(backend, strict, float_mask)  # validate now, not at the first forward
     check_bool("in_graph", in_graph)
     check_bool("restore_checkpoint_mask", restore_checkpoint_mask)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _stats
-from ._errors import InputTypeError, InputValueError, NotPackableError, check_bool, check_size, describe
+from ._errors import InputTypeError, InputValueError, NotPackableError, check_bool, check_size, describe, warn_once
 from .masks import FLAG_NAMES, PADDING_FLAG_NAMES, analyze, canonical_mask, read_padding
 
 # Why a mask cannot be packed, by device flag (masks.FLAG_NAMES, PADDING_FLAG_NAMES): the reason a
@@ -242,7 +242,9 @@ def build_plan(
         strict: raise :class:`NotPackableError` instead of returning a non-packable plan.
         float01_as_bool: read a float mask whose values are all 0 or 1, with at least one 1, as
             boolean (1 = keep) instead of SDPA's additive reading; decided on the device and read
-            in the same single sync (``plan.read_as_bool`` tells which reading was taken).
+            in the same single sync (``plan.read_as_bool`` tells which reading was taken). Left
+            False, such a mask (other than all ones) keeps SDPA's reading, with one warning per
+            process, and its plan takes a second sync.
         cache: look the plan up in, and store it into, the cache keyed by mask object;
             False always builds (one sync) and leaves the cache untouched.
 
@@ -253,7 +255,8 @@ def build_plan(
         storage or under ``torch.inference_mode``, gets a new plan.
 
     Raises:
-        InputValueError: NaN or +inf in the mask, or a shape that does not fit.
+        InputValueError: NaN or +inf in the mask, or a shape that does not fit; a mask whose last
+            dim is 1 under a longer query dim (``[B, S, 1]``) unless ``seqlen_k`` is given.
         NotPackableError: with ``strict=True``, when the mask is not a padding pattern.
     """
     batch_size, seqlen_q, seqlen_k, num_heads = (
@@ -274,6 +277,12 @@ def build_plan(
     if attn_mask.is_meta:
         raise InputValueError(f"attn_mask must hold data (a plan reads its values), got {describe(attn_mask)}")
     if seqlen_k is None:
+        if attn_mask.shape[-1] == 1 and attn_mask.dim() >= (2 if convention == "torch" else 3) and attn_mask.shape[-2] > 1:
+            # [B, S, 1] (a keep-mask shaped for multiplying hidden states) would read as one key per query.
+            raise InputValueError(
+                f"attn_mask's last dim is the key length, got shape {tuple(attn_mask.shape)} (Sk=1 under "
+                f"Sq={attn_mask.shape[-2]}): a key-padding mask is [B, Sk] (attn_mask.squeeze(-1)); pass "
+                f"seqlen_k to broadcast one value over every key, or seqlen_k=1 for a single key")
         seqlen_k = attn_mask.shape[-1]
     if batch_size is None:
         batch_size = _infer_batch(attn_mask, convention, num_heads)
@@ -284,7 +293,22 @@ def build_plan(
     plan = _CACHE.get(attn_mask, key) if cache else None
     if plan is None:
         _stats.record_plan_build()
-        plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool)
+        # A float 0/1 mask read additively (SDPA's reading: 1 adds one to the scores, 0 drops
+        # nothing) is almost surely a keep-mask: the build tells, in its one host read, whether
+        # the mask is one (read as bool); then it warns once and reads it as SDPA does after all.
+        probe = not float01_as_bool and attn_mask.is_floating_point()
+        plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool or probe)
+        if probe and plan.read_as_bool:
+            if plan.packable and plan.q_identity and plan.k_identity:  # all ones: both readings keep every key
+                plan = dataclasses.replace(plan, read_as_bool=False)
+            else:
+                warn_once("build_plan_float01", (
+                    f"varlen_attn: build_plan got a float attn_mask of 0s and 1s ({attn_mask.dtype}, shape "
+                    f"{tuple(attn_mask.shape)}), read as SDPA reads a float mask: an additive bias (0 masks "
+                    f"nothing out, 1 adds one to the scores). For a keep-mask pass a bool mask or "
+                    f"float01_as_bool=True."))
+                _stats.record_plan_build()
+                plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, False)
         if cache:
             _CACHE.put(attn_mask, key, plan)
     if strict and not plan.packable:

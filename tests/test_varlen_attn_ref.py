@@ -1,4 +1,4 @@
-"""Property tests for kernels_ref, the pure-PyTorch flash-attn 2 varlen oracle.
+"""Property tests for varlen_attn_ref, the pure-PyTorch flash-attn 2 varlen oracle.
 
 The independent oracle here is torch's own scaled_dot_product_attention, run
 once per packed sequence with a bottom-right-aligned mask built with
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kernels_ref import attention_ref, flash_attn_varlen_func
+from varlen_attn_ref import attention_ref, flash_attn_varlen_func
 
 # database=None: hypothesis must not write a .hypothesis/ folder into the tree.
 _SETTINGS = dict(deadline=None, database=None,
