@@ -179,6 +179,7 @@ _MODELS = """
     import torch
     from diffusers import AutoencoderKL, QwenImageTransformer2DModel
     from diffusers.models.modeling_utils import ModelMixin
+    from safetensors.torch import save_file
 
     CONFIG = dict(patch_size=1, in_channels=4, out_channels=4, num_layers=2, attention_head_dim=16,
                   num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
@@ -198,6 +199,8 @@ _MODELS = """
     AutoencoderKL(block_out_channels=(8,), norm_num_groups=4, latent_channels=2, layers_per_block=1)
     model.save_pretrained(sys.argv[1])
     reloaded, info = QwenImageTransformer2DModel.from_pretrained(sys.argv[1], output_loading_info=True)
+    save_file(model.state_dict(), sys.argv[1] + ".safetensors")
+    QwenImageTransformer2DModel.from_single_file(sys.argv[1] + ".safetensors", config=sys.argv[1])
     mask = torch.arange(7)[None, :] < torch.tensor([[5], [0]])
     out = model(hidden_states=torch.randn(2, 20, 4), encoder_hidden_states=torch.randn(2, 7, 32),
                 encoder_hidden_states_mask=mask, timestep=torch.rand(2), img_shapes=[(1, 4, 5)] * 2)
@@ -206,8 +209,8 @@ _MODELS = """
 
 def test_transformers_built_by_from_config_and_constructors_are_enabled_and_nothing_else(
         tmp_path, capsys, monkeypatch):
-    """from_config, a subclass's constructor and from_pretrained (returning loading info too)
-    count, a ModelMixin that is no transformer (and the
+    """from_config, a subclass's constructor, from_pretrained (returning loading info too) and
+    from_single_file count, each model once; a ModelMixin that is no transformer (and the
     transformer built inside it) and a VAE do not; the options reach enable_varlen (the backend
     from the environment); afterwards diffusers' classes are as they were."""
     pytest.importorskip("diffusers")
@@ -219,7 +222,7 @@ def test_transformers_built_by_from_config_and_constructors_are_enabled_and_noth
     monkeypatch.setenv("VARLEN_ATTN_BACKEND", "reference")
     launch.main([str(_script(tmp_path, _MODELS)), str(tmp_path / "saved")])
     models, stats = _summary(capsys.readouterr().err)
-    assert models == "enabled 3 models: QwenImageTransformer2DModel x2, MyQwen", models
+    assert models == "enabled 4 models: QwenImageTransformer2DModel x3, MyQwen", models
     assert stats["backends"] == {"reference": QWEN_ATTN_LAYERS}, stats
     after = (ModelMixin.__dict__["from_pretrained"], QwenImageTransformer2DModel.__dict__["__init__"],
              list(sys.meta_path))
@@ -249,7 +252,7 @@ def test_options_come_from_the_command_line_then_the_environment(tmp_path, monke
 @pytest.mark.parametrize("argv, env, expected", [
     (["--backend", "fa9", "{script}"], {}, ["--backend must be one of auto, sdpa, ", "got 'fa9'"]),
     (["--float-mask", "maybe", "{script}"], {},
-     ["--float-mask: invalid choice: 'maybe' (choose from 'bool', 'bias', 'error')"]),
+     ["--float-mask must be one of bool, bias, error, got 'maybe'"]),
     (["{script}"], {"VARLEN_ATTN_BACKEND": "fa9"}, ["VARLEN_ATTN_BACKEND must be one of auto, sdpa, ", "got 'fa9'"]),
     (["{script}"], {"VARLEN_ATTN_FLOAT_MASK": "maybe"},
      ["VARLEN_ATTN_FLOAT_MASK must be one of bool, bias, error, got 'maybe'"]),

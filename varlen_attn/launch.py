@@ -39,13 +39,13 @@ TRANSFORMERS = "diffusers.models.transformers."
 _MODELING = "diffusers.models.modeling_utils"
 _SINGLE_FILE = "diffusers.loaders.single_file_model"
 
-# option -> (environment variable, enable_varlen keyword)
+# option (enable_varlen's keyword) -> its environment variable
 _ENV = {
-    "backend": (ENV_VAR, "backend"),
-    "float_mask": ("VARLEN_ATTN_FLOAT_MASK", "float_mask"),
-    "strict": ("VARLEN_ATTN_STRICT", "strict"),
-    "restore_checkpoint_mask": ("VARLEN_ATTN_RESTORE_CHECKPOINT_MASK", "restore_checkpoint_mask"),
-    "in_graph": ("VARLEN_ATTN_IN_GRAPH", "in_graph"),
+    "backend": ENV_VAR,
+    "float_mask": "VARLEN_ATTN_FLOAT_MASK",
+    "strict": "VARLEN_ATTN_STRICT",
+    "restore_checkpoint_mask": "VARLEN_ATTN_RESTORE_CHECKPOINT_MASK",
+    "in_graph": "VARLEN_ATTN_IN_GRAPH",
 }
 _DEFAULTS = {"backend": None, "float_mask": "bool", "strict": False, "restore_checkpoint_mask": True,
              "in_graph": True}
@@ -88,7 +88,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", metavar="NAME",
                    help=f"the attention backend: {', '.join(_BACKEND_NAMES)} (default: ${ENV_VAR} "
                         "read at every forward, else auto)")
-    p.add_argument("--float-mask", choices=FLOAT_POLICIES,
+    p.add_argument("--float-mask", metavar="{" + ",".join(FLOAT_POLICIES) + "}",
                    help="how a float 0/1 mask is read: as a keep-mask (bool, the default), as SDPA's "
                         "additive bias (bias), or refused (error)")
     p.add_argument("--strict", action=argparse.BooleanOptionalAction, default=None,
@@ -128,7 +128,7 @@ def _split(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def _from_env(parser, name: str, value):
     """The option's value: the command line's, else its environment variable's, else the default."""
-    env, _ = _ENV[name]
+    env = _ENV[name]
     if value is not None:
         return value
     raw = os.environ.get(env)
@@ -152,20 +152,20 @@ def parse(argv: list[str]):
     option exits with status 2 and a message naming it, what was expected and what was received."""
     parser = _parser()
     ours, rest = _split(argv)
-    ns = parser.parse_args(ours)
+    ns = parser.parse_args(ours)  # never holds the script (_split): its positional is for --help
     module = ns.module
-    if ns.script is not None:  # argparse took it from our part only when nothing followed it
-        rest = [ns.script, *rest]
     if module is None and not rest:
         parser.error("expected a script to run (or -m module), got none")
     script = None if module is not None else rest[0]
     args = rest if module is not None else rest[1:]
     if ns.backend is not None and ns.backend not in _BACKEND_NAMES:
         parser.error(f"--backend must be one of {', '.join(_BACKEND_NAMES)}, got {ns.backend!r}")
+    if ns.float_mask is not None and ns.float_mask not in FLOAT_POLICIES:
+        parser.error(f"--float-mask must be one of {', '.join(FLOAT_POLICIES)}, got {ns.float_mask!r}")
     env_backend = os.environ.get(ENV_VAR)
     if ns.backend is None and env_backend and env_backend not in _BACKEND_NAMES:
         parser.error(f"{ENV_VAR} must be one of {', '.join(_BACKEND_NAMES)}, got {env_backend!r}")
-    options = {kw: _from_env(parser, name, getattr(ns, name)) for name, (_, kw) in _ENV.items()}
+    options = {name: _from_env(parser, name, getattr(ns, name)) for name in _ENV}
     if script is not None and not os.path.isfile(script) and not os.path.isdir(script):
         parser.error(f"can't open file {os.path.abspath(script)!r}: no such file or directory")
     return options, script, module, args
