@@ -29,7 +29,8 @@ LAYERS = [
     ["varlen_attn.functional"],
     ["varlen_attn.hook", "varlen_attn.parallel"],
     ["varlen_attn.model", "varlen_attn.processor"],
-    ["varlen_attn"],
+    ["varlen_attn.launch"],
+    ["varlen_attn", "varlen_attn.__main__"],
 ]
 RANK = {m: i for i, layer in enumerate(LAYERS) for m in layer}
 

@@ -6,7 +6,9 @@ Layers, bottom up (a module imports only from layers below it; docs/design.md):
 asked for, and which plan a call runs with) -> ``fused`` -> ``execution`` (one call with its plan:
 route and run) -> adapters: ``op`` (torch.compile), ``functional``, ``hook`` (which SDPA calls
 are varlen_attn's), ``model`` (enable_varlen), ``processor`` (VarlenAttnProcessor) and
-``parallel`` (Ulysses context parallelism). ``padding`` stands beside ``pack``.
+``parallel`` (Ulysses context parallelism), then ``launch`` (``python -m varlen_attn script.py``:
+enables every diffusers transformer an unmodified script builds; not imported here). ``padding``
+stands beside ``pack``.
 """
 
 from ._errors import (
