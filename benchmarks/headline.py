@@ -44,6 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TRAIN_STEP = os.path.join(HERE, "train_step.py")
 MODELS = {"chroma": "Chroma", "qwen": "Qwen-Image"}
 COMPILES = {"none": "eager", "blocks": "blocks compiled"}
+_live: set = set()  # the process groups running now, killed if the run is interrupted
+_stop = threading.Event()
 CELLS = ("qwen:1024:none", "chroma:1024:none", "qwen:512:none", "chroma:512:none",
          "qwen:1024:blocks", "chroma:1024:blocks", "qwen:512:blocks", "chroma:512:blocks")
 
@@ -149,6 +151,7 @@ def run_variant(args, cell: str, variant: str, rnd: int, gpu: str | None) -> dic
         # A session of its own: a timeout kills the whole group (inductor's compile workers too).
         proc = subprocess.Popen(command(args, cell, variant, json_path), stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
+        _live.add(proc.pid)
         try:
             rc = proc.wait(timeout=args.timeout)
             error = None if rc == 0 else f"exit status {rc}"
@@ -156,6 +159,8 @@ def run_variant(args, cell: str, variant: str, rnd: int, gpu: str | None) -> dic
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             error = f"killed after --timeout {args.timeout:g} s"
+        finally:
+            _live.discard(proc.pid)
     seconds = time.monotonic() - t0
     out = {"round": rnd + 1, "variant": variant, "gpu": gpu, "seconds": seconds, "log": os.path.relpath(log.name, args.out)}
     if error is None and os.path.exists(json_path):
@@ -179,6 +184,8 @@ def run_cell(args, cell: str, gpu: str | None, say) -> dict:
             break
         row = {}
         for variant in (names if rnd % 2 == 0 else names[::-1]):
+            if _stop.is_set():
+                return {}
             r = run_variant(args, cell, variant, rnd, gpu)
             row[variant] = r
             what = r["error"] or f"{r['result']['median_ms']:.1f} ms/step"
@@ -346,8 +353,17 @@ def main(argv=None) -> int:
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(where))]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            t.join()
+    except KeyboardInterrupt:  # the processes run in sessions of their own: Ctrl-C does not reach them
+        _stop.set()
+        for pid in list(_live):
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        raise
     cells = [done[c] for c in args.cells if c in done]
     text = table(cells, names)
     with open(os.path.join(args.out, "headline.md"), "w") as fh:
