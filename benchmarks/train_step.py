@@ -63,7 +63,6 @@ import time
 import warnings
 
 import _common as C
-import timeline
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -139,7 +138,7 @@ def parse_args() -> argparse.Namespace:
                          "below 100%% means the host (Python, launches) sets the step's pace")
     ap.add_argument("--timeline", action="store_true",
                     help="after the rounds, one more step per variant under torch.profiler (CPU and CUDA): launch "
-                         "lag per thread, GPU busy per slice of the step, host waits (benchmarks/timeline.py)")
+                         "lag per thread, GPU busy per slice of the step, host waits (benchmarks/_common.py, timeline_summary)")
     return ap.parse_args()
 
 
@@ -420,7 +419,7 @@ def gpu_busy(v: Variant, batch: Batch, dev: torch.device) -> dict:
             v.step(batch)
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
              if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    busy = timeline.merged(spans)  # kernels on several streams may overlap
+    busy = C.union_ms(spans)  # kernels on several streams may overlap
     return {"busy_ms": busy / 1e3, "wall_ms": sw.ms, "busy_share": busy / 1e3 / sw.ms if sw.ms else None,
             "gpu_events": len(spans)}
 
@@ -669,8 +668,8 @@ def main():
                 path = os.path.join(tmp, "trace.json")
                 try:
                     C.sync(dev)
-                    timeline.record(functools.partial(v.step, batch), path)
-                    lines[v.name] = timeline.summarize(path)
+                    C.timeline_record(functools.partial(v.step, batch), path)
+                    lines[v.name] = C.timeline_summary(path)
                 except Exception as e:  # as --gpu-busy: the column is lost, not the run
                     print(f"  --timeline {v.name}: {type(e).__name__}: {e}")
 
@@ -693,9 +692,9 @@ def main():
     for v in variants:
         print(line(v.name, results[v.name], v.name.startswith("varlen:")))
     if lines:
-        print("one more step per variant under torch.profiler (benchmarks/timeline.py):")
+        print("one more step per variant under torch.profiler (benchmarks/_common.py, timeline_summary):")
         for name, summary_ in lines.items():
-            print(timeline.describe(name, summary_))
+            print(C.timeline_text(name, summary_))
     if compiled:
         from torch._dynamo.utils import counters
 
