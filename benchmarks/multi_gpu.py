@@ -30,7 +30,6 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import varlen_attn as va
 

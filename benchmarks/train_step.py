@@ -25,7 +25,8 @@ compilation, as OneTrainer does; ``--compile-backend``, default inductor, aot_ea
 Variants: ``stock`` (diffusers' masked SDPA), ``nomask`` (the same model called with no mask: the
 speed target) and ``varlen:<backend>`` for each of ``--backends`` (default: auto and every
 installed varlen_attn backend but the reference; ``<backend>@general`` keeps attention of
-compiled blocks in varlen_attn's custom op, ``enable_varlen(..., in_graph=False)``). Each variant is its own copy of the model
+compiled blocks in varlen_attn's custom op, ``enable_varlen(..., in_graph=False)``). ``--variants``
+picks some of them (benchmarks/headline.py runs each in a process of its own). Each variant is its own copy of the model
 module tree sharing the frozen base weights (no extra weight memory), with its own LoRA adapter
 (all from the same init), its own optimizer and, with ``--compile blocks``, its own compiled
 blocks. Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
@@ -62,7 +63,6 @@ import time
 import warnings
 
 import _common as C
-import timeline
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
@@ -116,6 +116,9 @@ def parse_args() -> argparse.Namespace:
                     help="comma-separated varlen_attn backends (default: auto and every installed one but "
                          f"the reference; now: {','.join(['auto', *C.varlen_backends(torch.device('cpu'))])} "
                          "on the CPU)")
+    ap.add_argument("--variants", default=None,
+                    help="comma-separated variants to run in this process (default: stock, nomask and "
+                         "varlen:<backend> for each of --backends); benchmarks/headline.py runs one per process")
     ap.add_argument("--mask-dtype", choices=("bool", "float", "long"), default="bool",
                     help="dtype of the padding mask passed to the model (default bool). Chroma's pipeline "
                          "passes float 0/1, which stock SDPA reads as an additive bias (no masking); "
@@ -135,7 +138,7 @@ def parse_args() -> argparse.Namespace:
                          "below 100%% means the host (Python, launches) sets the step's pace")
     ap.add_argument("--timeline", action="store_true",
                     help="after the rounds, one more step per variant under torch.profiler (CPU and CUDA): launch "
-                         "lag per thread, GPU busy per slice of the step, host waits (benchmarks/timeline.py)")
+                         "lag per thread, GPU busy per slice of the step, host waits (benchmarks/_common.py, timeline_summary)")
     return ap.parse_args()
 
 
@@ -416,7 +419,7 @@ def gpu_busy(v: Variant, batch: Batch, dev: torch.device) -> dict:
             v.step(batch)
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
              if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
-    busy = timeline.merged(spans)  # kernels on several streams may overlap
+    busy = C.union_ms(spans)  # kernels on several streams may overlap
     return {"busy_ms": busy / 1e3, "wall_ms": sw.ms, "busy_share": busy / 1e3 / sw.ms if sw.ms else None,
             "gpu_events": len(spans)}
 
@@ -427,15 +430,17 @@ def is_oom(e: BaseException) -> bool:
 
 # ------------------------------------------------------------------------------------------ report
 
-def paired_ratios(v: Variant, stock: Variant) -> list[float]:
+def paired_ratios(v: Variant, stock: Variant | None) -> list[float]:
     """stock / variant within each round both ran (medians of their turns): a host or GPU that
-    drifts between rounds moves both sides of a ratio alike."""
+    drifts between rounds moves both sides of a ratio alike. None without stock in the process."""
+    if stock is None:
+        return []
     return [statistics.median(s) / statistics.median(t) for s, t in zip(stock.rounds, v.rounds) if s and t]
 
 
-def summary(v: Variant, stock: Variant) -> dict:
+def summary(v: Variant, stock: Variant | None) -> dict:
     ms = statistics.median(v.times) if v.times else float("nan")
-    stock_ms = statistics.median(stock.times) if stock.times else None
+    stock_ms = statistics.median(stock.times) if stock is not None and stock.times else None
     steps = max(v.timed_steps, 1)
     paired = paired_ratios(v, stock)
     return {
@@ -584,7 +589,12 @@ def main():
 
     # Variants: own module tree and adapter each (same LoRA init), frozen base weights shared.
     variants = []
-    for name in ["stock", "nomask", *(f"varlen:{b}" for b in backends)]:
+    names = args.variants.split(",") if args.variants else ["stock", "nomask", *(f"varlen:{b}" for b in backends)]
+    bad = [n for n in names if n not in ("stock", "nomask") and not (n.startswith("varlen:") and len(n) > 7)]
+    if bad:
+        raise SystemExit(f"--variants: expected stock, nomask or varlen:<backend>, got {bad}")
+    backends = [n.split(":", 1)[1] for n in names if n.startswith("varlen:")]
+    for name in names:
         model = sharing_copy(base)
         if args.checkpointing == "caller":  # per copy: a deep copy would keep the original's bound forward
             for block in blocks_of(model):
@@ -658,12 +668,12 @@ def main():
                 path = os.path.join(tmp, "trace.json")
                 try:
                     C.sync(dev)
-                    timeline.record(functools.partial(v.step, batch), path)
-                    lines[v.name] = timeline.summarize(path)
+                    C.timeline_record(functools.partial(v.step, batch), path)
+                    lines[v.name] = C.timeline_summary(path)
                 except Exception as e:  # as --gpu-busy: the column is lost, not the run
                     print(f"  --timeline {v.name}: {type(e).__name__}: {e}")
 
-    stock = next(v for v in variants if v.name == "stock")
+    stock = next((v for v in variants if v.name == "stock"), None)
     results = {}
     for v in variants:
         r = summary(v, stock)
@@ -671,10 +681,10 @@ def main():
         r["warmup_stats"] = getattr(v, "warmup_stats", None)
         r["gpu_busy"] = busy.get(v.name)
         r["timeline"] = lines.get(v.name)
-        if v.first and stock.first and v is not stock:
+        if stock is not None and v.first and stock.first and v is not stock:
             r["max_abs_diff_vs_stock"] = (v.first["output"] - stock.first["output"]).abs().max().item()
         results[v.name] = r
-    if stock.first:
+    if stock is not None and stock.first:
         results["stock"]["first_step"]["max_abs_output"] = stock.first["output"].abs().max().item()
 
     print(f"median ms per step over {rounds_run} round(s) x {args.reps} step(s) per variant "
@@ -682,9 +692,9 @@ def main():
     for v in variants:
         print(line(v.name, results[v.name], v.name.startswith("varlen:")))
     if lines:
-        print("one more step per variant under torch.profiler (benchmarks/timeline.py):")
+        print("one more step per variant under torch.profiler (benchmarks/_common.py, timeline_summary):")
         for name, summary_ in lines.items():
-            print(timeline.describe(name, summary_))
+            print(C.timeline_text(name, summary_))
     if compiled:
         from torch._dynamo.utils import counters
 

@@ -1,0 +1,104 @@
+"""benchmarks/headline.py end to end in its tiny CPU mode: real processes of
+benchmarks/train_step.py on toy models, the rounds, the summary, the table and the JSON files.
+The timings mean nothing and are not checked; what is checked is that every cell and variant
+asked for ran, was measured and reached the table and the JSON."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEADLINE = os.path.join(ROOT, "benchmarks", "headline.py")
+VARIANTS = ["stock", "nomask", "varlen:auto", "varlen:split_sdpa"]
+
+pytest.importorskip("diffusers")
+pytest.importorskip("peft")
+
+
+def run(*argv, timeout=240):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, HEADLINE, *argv], capture_output=True, text=True, env=env,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_tiny_cpu_mode_measures_every_cell_and_variant(tmp_path):
+    cells = ["chroma:512:none", "qwen:1024:none"]
+    out = tmp_path / "out"
+    proc = run("--device", "cpu", "--cells", ",".join(cells), "--rounds", "1", "--reps", "1", "--jobs", "2",
+               "--out", str(out))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    summary = json.loads((out / "headline.json").read_text())
+    assert list(summary["cells"]) == cells
+    assert summary["variants"] == VARIANTS
+    for cell in cells:
+        per_cell = json.loads((out / (cell.replace(":", "_") + ".json")).read_text())
+        assert per_cell["cell"] == cell
+        assert len(per_cell["rounds"]) == 1
+        for v in VARIANTS:
+            run_ = per_cell["rounds"][0][v]
+            assert run_["error"] is None, run_
+            # each variant ran in its own process, which measured that variant alone
+            assert run_["config"]["variants"] == v
+            assert len(run_["result"]["times_ms"]) == 1
+            s = summary["cells"][cell]["summary"][v]
+            assert s["rounds_ok"] == 1 and s["median_ms"] > 0
+            assert s["main_thread_cpu_ms"] > 0
+            if v == "stock":
+                assert s["stock_over_variant"] == pytest.approx(1.0)
+            else:
+                assert s["stock_over_variant"] > 0
+        st = summary["cells"][cell]["summary"]
+        # the varlen variants ran varlen_attn (plans built, split_sdpa on the CPU); the others did not
+        for v in ("varlen:auto", "varlen:split_sdpa"):
+            assert st[v]["plan_builds_per_step"] > 0 and st[v]["backends"] == {"split_sdpa": st[v]["backends"]["split_sdpa"]}
+        for v in ("stock", "nomask"):
+            assert st[v]["plan_builds_per_step"] == 0 and st[v]["backends"] == {}
+    # Chroma's mask is an outer product (a host read per call), Qwen-Image's key padding (none)
+    assert summary["cells"]["chroma:512:none"]["summary"]["varlen:auto"]["host_syncs_per_step"] > 0
+    assert summary["cells"]["qwen:1024:none"]["summary"]["varlen:auto"]["host_syncs_per_step"] == 0
+
+    table = (out / "headline.md").read_text()
+    assert table in proc.stdout
+    rows = [line for line in table.splitlines() if line.startswith("| Chroma") or line.startswith("| Qwen")]
+    assert [r.split("|")[1].strip() for r in rows[:2]] == ["Chroma 512 px, eager", "Qwen-Image 1024 px, eager"]
+    for row in rows[:2]:
+        assert "failed" not in row and row.count("x") >= 3  # three stock / variant ratios
+
+
+def test_a_process_over_its_time_box_is_killed_and_reported(tmp_path):
+    out = tmp_path / "out"
+    proc = run("--device", "cpu", "--cells", "qwen:512:none", "--rounds", "2", "--timeout", "0.5",
+               "--seconds", "0", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    per_cell = json.loads((out / "qwen_512_none.json").read_text())
+    # --seconds 0: the second round does not start; the first runs whole
+    assert len(per_cell["rounds"]) == 1
+    for v in VARIANTS:
+        assert per_cell["rounds"][0][v]["error"] == "killed after --timeout 0.5 s"
+        assert per_cell["summary"][v]["median_ms"] is None
+    assert "failed: round 1: killed after --timeout 0.5 s" in (out / "headline.md").read_text()
+
+
+def test_dry_run_spreads_cells_over_the_gpus(tmp_path):
+    proc = run("--dry-run", "--gpus", "0,1,2,3", "--rounds", "3", "--out", str(tmp_path), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    heads = [line for line in proc.stdout.splitlines() if line.startswith("CUDA_VISIBLE_DEVICES=")]
+    cells = {line.split(": ")[1].split(" ")[0]: line.split(":")[0].split("=")[1] for line in heads}
+    assert sorted(cells) == sorted(f"{m}:{px}:{c}" for m in ("chroma", "qwen") for px in (512, 1024)
+                                   for c in ("none", "blocks"))
+    assert sorted(cells.values()) == ["0", "0", "1", "1", "2", "2", "3", "3"]
+    commands = [line for line in proc.stdout.splitlines() if "train_step.py" in line]
+    assert len(commands) == 8 * 4
+    for v in ("stock", "nomask", "varlen:auto", "varlen:torch"):
+        assert sum(f"--variants {v} " in c for c in commands) == 8
+    assert not list(tmp_path.iterdir())  # a dry run writes nothing
+
+
+def test_bad_cell_is_refused_with_its_name():
+    proc = run("--dry-run", "--gpus", "0", "--cells", "chroma:768:none", timeout=60)
+    assert proc.returncode == 2
+    assert "--cells: expected model:px:compile" in proc.stderr and "'chroma:768:none'" in proc.stderr
