@@ -20,7 +20,7 @@ tokens, base weights in bf16, LoRA in float32, bf16 autocast. There "equal" mean
 first-step loss and LoRA gradients are at most twice as far from a float32 run of the same step
 as stock's are; it also prints the median step time of each and their ratio.
 
-    python examples/train_lora.py                      # CPU, tiny, float64: about 10 s
+    python examples/train_lora.py                      # CPU, tiny, float64: 10-20 s
     python examples/train_lora.py --size gpu --layers 8 --steps 20
 """
 
