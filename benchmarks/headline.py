@@ -9,20 +9,20 @@ Qwen-Image, stock diffusers against the same model with no mask and against ``en
                                                         # tiny CPU mode: toy models, timings mean nothing
 
 A cell is ``model:px:compile`` (model chroma or qwen, px 512 or 1024, compile none or blocks).
-Each cell runs four variants of benchmarks/train_step.py: ``stock`` (diffusers' masked SDPA),
-``nomask`` (the same model called with no mask: the ceiling), ``varlen:auto``
-(``enable_varlen(model)``) and ``varlen:torch`` (PyTorch's built-in varlen kernel: no flash-attn
-package; ``--plain-backend``). Every variant runs in a process of its own (build, warm-up, then
-``--reps`` timed steps), and the variants take turns in rounds, every other round in reverse
-order, so that a drifting host or GPU hits all alike. A round's ratio is stock's median step
-over the variant's in that round; the table gives the median over rounds and their range
-(the 512 px cells are host-bound and noisy: read the range). Each process is killed after
-``--timeout`` seconds; no round starts once a cell has run ``--seconds``.
+Each cell is one process of benchmarks/train_step.py running four variants of one model, which
+share its weights: ``stock`` (diffusers' masked SDPA), ``nomask`` (the same model called with no
+mask: the ceiling), ``varlen:auto`` (``enable_varlen(model)``) and ``varlen:torch`` (PyTorch's
+built-in varlen kernel: no flash-attn package; ``--plain-backend``). The variants take turns in
+rounds, every other round in reverse order, so that a drifting host or GPU hits all alike. A
+round's ratio is stock's median step over the variant's in that round; the table gives the
+median over rounds and their range (the 512 px cells are host-bound and noisy: read the range).
+A cell's process is killed after ``--timeout`` seconds; no round starts once it has run
+``--seconds``.
 
 With several GPUs visible (``CUDA_VISIBLE_DEVICES``, or all of them), cells run at once, one per
 GPU, each process with ``CUDA_VISIBLE_DEVICES`` set to its GPU; otherwise one after another.
-``--out DIR`` (default benchmarks/results/headline) receives ``<cell>.json`` per cell (every
-process's measurements: ms per step, main-thread and other-thread CPU time, host syncs and plan
+``--out DIR`` (default benchmarks/results/headline) receives ``<cell>.json`` per cell (what
+train_step.py measured: ms per step, main-thread and other-thread CPU time, host syncs and plan
 builds per step, backends that ran, peak memory), ``headline.json``, ``headline.md`` (the table
 printed at the end) and ``logs/``.
 """
@@ -56,13 +56,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="comma-separated model:px:compile cells (default: all eight)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
                     help="cuda (default), or cpu: the tiny mode, toy models on the CPU, to check the script")
-    ap.add_argument("--rounds", type=int, default=5, help="rounds per cell: one process per variant each")
-    ap.add_argument("--reps", type=int, default=3, help="timed steps per process (after its warm-up)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds per cell: each variant's steps in turn")
+    ap.add_argument("--reps", type=int, default=3, help="timed steps per variant per round (after its warm-up)")
     ap.add_argument("--seconds", type=float, default=None,
-                    help="start no new round of a cell after this many seconds (default 3000; CPU 600); "
+                    help="start no new round of a cell after this many seconds (default 300; CPU 120); "
                          "at least one round runs")
     ap.add_argument("--timeout", type=float, default=None,
-                    help="kill a variant's process after this many seconds (default 900; CPU 300)")
+                    help="kill a cell's process after this many seconds (default 900; CPU 300)")
     ap.add_argument("--plain-backend", default=None,
                     help="the backend of the column without flash-attn (default torch; CPU split_sdpa)")
     ap.add_argument("--gpus", default=None,
@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     if len(set(args.cells)) != len(args.cells):
         ap.error(f"--cells: a cell given twice in {args.cells}")
     cpu = args.device == "cpu"
-    args.seconds = args.seconds if args.seconds is not None else (600.0 if cpu else 3000.0)
+    args.seconds = args.seconds if args.seconds is not None else (120.0 if cpu else 300.0)
     args.timeout = args.timeout if args.timeout is not None else (300.0 if cpu else 900.0)
     args.plain_backend = args.plain_backend or ("split_sdpa" if cpu else "torch")
     return args
@@ -125,21 +125,22 @@ def slots(args) -> list[str | None]:
     return gpus[: args.jobs] if args.jobs else gpus
 
 
-def command(args, cell: str, variant: str, json_path: str) -> list[str]:
+def command(args, cell: str, json_path: str) -> list[str]:
     model, px, compile_ = cell.split(":")
     return [sys.executable, TRAIN_STEP, "--device", args.device, "--model", model, "--px", px,
-            "--compile", compile_, "--variants", variant, "--rounds", "1", "--reps", str(args.reps),
-            "--json", json_path, *(["--warmup", "1"] if args.device == "cpu" else []), *shlex.split(args.train_args)]
+            "--compile", compile_, "--variants", ",".join(variants(args)), "--rounds", str(args.rounds),
+            "--reps", str(args.reps), "--max-seconds", f"{args.seconds:g}", "--json", json_path,
+            *(["--warmup", "1"] if args.device == "cpu" else []), *shlex.split(args.train_args)]
 
 
 # ------------------------------------------------------------------------------------------ running
 
-def run_variant(args, cell: str, variant: str, rnd: int, gpu: str | None) -> dict:
-    """One process of train_step.py for ``variant`` of ``cell``: its measurements, or an error."""
-    name = f"r{rnd + 1}_{variant.replace(':', '_')}"
-    logs = os.path.join(args.out, "logs", cell_file(cell))
+def run_cell(args, cell: str, gpu: str | None, say) -> dict:
+    """One process of train_step.py for ``cell`` on ``gpu``: its measurements and their summary,
+    written to ``<out>/<cell>.json``."""
+    logs = os.path.join(args.out, "logs")
     os.makedirs(logs, exist_ok=True)
-    json_path = os.path.join(logs, name + ".json")
+    json_path = os.path.join(logs, cell_file(cell) + ".json")
     if os.path.exists(json_path):
         os.remove(json_path)
     env = dict(os.environ)
@@ -147,9 +148,9 @@ def run_variant(args, cell: str, variant: str, rnd: int, gpu: str | None) -> dic
         env["CUDA_VISIBLE_DEVICES"] = gpu
     env.setdefault("PYTHONWARNINGS", "ignore")
     t0 = time.monotonic()
-    with open(os.path.join(logs, name + ".txt"), "w") as log:
+    with open(os.path.join(logs, cell_file(cell) + ".txt"), "w") as log:
         # A session of its own: a timeout kills the whole group (inductor's compile workers too).
-        proc = subprocess.Popen(command(args, cell, variant, json_path), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(command(args, cell, json_path), stdout=log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True)
         _live.add(proc.pid)
         try:
@@ -161,43 +162,22 @@ def run_variant(args, cell: str, variant: str, rnd: int, gpu: str | None) -> dic
             error = f"killed after --timeout {args.timeout:g} s"
         finally:
             _live.discard(proc.pid)
-    seconds = time.monotonic() - t0
-    out = {"round": rnd + 1, "variant": variant, "gpu": gpu, "seconds": seconds, "log": os.path.relpath(log.name, args.out)}
+    names = variants(args)
+    run = None
     if error is None and os.path.exists(json_path):
         with open(json_path) as fh:
             run = json.load(fh)
-        res = run["results"][variant]
-        out.update(env=run["env"], config=run["config"], result=res, error=res.get("error"))
-    else:
-        out["error"] = error or "no JSON written"
-    return out
-
-
-def run_cell(args, cell: str, gpu: str | None, say) -> dict:
-    """Every round of ``cell`` on ``gpu``, then its summary, written to ``<out>/<cell>.json``."""
-    t0 = time.monotonic()
-    names = variants(args)
-    rounds = []
-    for rnd in range(args.rounds):
-        if rnd and time.monotonic() - t0 > args.seconds:
-            say(f"{cell}: --seconds {args.seconds:g} spent after {rnd} round(s)")
-            break
-        row = {}
-        for variant in (names if rnd % 2 == 0 else names[::-1]):
-            if _stop.is_set():
-                return {}
-            r = run_variant(args, cell, variant, rnd, gpu)
-            row[variant] = r
-            what = r["error"] or f"{r['result']['median_ms']:.1f} ms/step"
-            say(f"[{'gpu ' + gpu if gpu is not None else 'cpu'}] {cell} round {rnd + 1}/{args.rounds} "
-                f"{variant}: {what} ({r['seconds']:.0f} s)")
-        rounds.append(row)
+    elif error is None:
+        error = "no JSON written"
     out = {"cell": cell, "title": cell_title(cell), "gpu_index": gpu, "seconds": time.monotonic() - t0,
-           "variants": names, "summary": summarize(names, rounds), "rounds": rounds}
-    env = next((r["env"] for row in rounds for r in row.values() if "env" in r), None)
-    out["env"] = env
+           "variants": names, "error": error, "log": os.path.relpath(log.name, args.out),
+           "rounds": None if run is None else run["rounds_run"], "env": None if run is None else run["env"],
+           "summary": summarize(names, None if run is None else run["results"], error)}
+    where = "cpu" if gpu is None else f"gpu {gpu}"
+    done = error or f"{out['rounds']} round(s)"
+    say(f"[{where}] {cell}: {done} ({out['seconds']:.0f} s)")
     with open(os.path.join(args.out, cell_file(cell) + ".json"), "w") as fh:
-        json.dump(out, fh, indent=1, default=str)
+        json.dump({**out, "train_step": run}, fh, indent=1, default=str)
     return out
 
 
@@ -206,35 +186,27 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
-def summarize(names: list[str], rounds: list[dict]) -> dict:
-    """Per variant over the rounds it ran: the median and range of its per-round median step, of
-    stock / variant per round, and the medians of the host measurements per step."""
-    ok = [{v: r["result"] for v, r in row.items() if not r["error"]} for row in rounds]
+def summarize(names: list[str], results: dict | None, error: str | None) -> dict:
+    """Per variant: its median step, stock / variant (the median of the per-round ratios and their
+    range), the host measurements per step, and the backends that ran."""
     out = {}
     for v in names:
-        per_round = [row[v] for row in ok if v in row]
-        ms = [r["median_ms"] for r in per_round]
-        ratios = [row["stock"]["median_ms"] / row[v]["median_ms"] for row in ok if v in row and "stock" in row]
-        backends: dict = {}
-        fallbacks: dict = {}
-        for r in per_round:
-            for k, n in r["stats"]["backends"].items():
-                backends[k] = backends.get(k, 0) + n
-            for k, n in r["stats"]["fallbacks"].items():
-                fallbacks[k] = fallbacks.get(k, 0) + n
+        r = (results or {}).get(v)
+        if r is None or r.get("error") or r.get("median_ms") is None:
+            why = (r or {}).get("error") or error or "not run"
+            out[v] = {"error": why, "median_ms": None}
+            continue
+        ratios = [1.0] if v == "stock" else list(r.get("paired_ratios") or [])
         out[v] = {
-            "rounds_ok": len(per_round),
-            "errors": [f"round {row[v]['round']}: {row[v]['error']}" for row in rounds if v in row and row[v]["error"]],
-            "median_ms": _median(ms), "min_ms": min(ms, default=None), "max_ms": max(ms, default=None),
-            "round_ms": ms,
+            "error": None, "median_ms": r["median_ms"], "times_ms": r["times_ms"],
             "stock_over_variant": _median(ratios), "ratio_min": min(ratios, default=None),
             "ratio_max": max(ratios, default=None), "round_ratios": ratios,
-            "host_syncs_per_step": _median(r["host_syncs_per_step"] for r in per_round),
-            "plan_builds_per_step": _median(r["plan_builds_per_step"] for r in per_round),
-            "main_thread_cpu_ms": _median(r["main_thread_cpu_ms"] for r in per_round),
-            "other_threads_cpu_ms": _median(r["other_threads_cpu_ms"] for r in per_round),
-            "peak_mib": max((r["peak_mib"] for r in per_round if r["peak_mib"]), default=None),
-            "backends": backends, "fallbacks": fallbacks,
+            "host_syncs_per_step": r.get("host_syncs_per_step", 0.0),
+            "plan_builds_per_step": r.get("plan_builds_per_step", 0.0),
+            "main_thread_cpu_ms": r["main_thread_cpu_ms"], "other_threads_cpu_ms": r["other_threads_cpu_ms"],
+            "peak_mib": r.get("peak_mib"),
+            "backends": (r.get("stats") or {}).get("backends", {}),
+            "fallbacks": (r.get("stats") or {}).get("fallbacks", {}),
         }
     return out
 
@@ -243,20 +215,20 @@ def summarize(names: list[str], rounds: list[dict]) -> dict:
 
 def _ms(s: dict, ratio: bool) -> str:
     if s["median_ms"] is None:
-        return "failed: " + (s["errors"][0] if s["errors"] else "not run")
+        return "failed: " + s["error"]
     text = f"{s['median_ms']:.1f}"
     if ratio and s["stock_over_variant"] is not None:
         text += f" ({s['stock_over_variant']:.2f}x"
         if len(s["round_ratios"]) > 1:
             text += f", {s['ratio_min']:.2f}-{s['ratio_max']:.2f}"
         text += ")"
-    elif not ratio and len(s["round_ms"]) > 1:
-        text += f" ({s['min_ms']:.0f}-{s['max_ms']:.0f})"
+    elif not ratio and len(s["times_ms"]) > 1:
+        text += f" ({min(s['times_ms']):.0f}-{max(s['times_ms']):.0f})"
     return text
 
 
 def _per_step(s: dict, key: str) -> str:
-    return "-" if s[key] is None else f"{s[key]:g}"
+    return "-" if s.get(key) is None else f"{s[key]:g}"
 
 
 def table(cells: list[dict], names: list[str]) -> str:
@@ -264,13 +236,13 @@ def table(cells: list[dict], names: list[str]) -> str:
     plain = names[3].split(":", 1)[1]
     lines = [f"{env.get('gpu', '?')}, torch {env.get('torch', '?')}, flash-attn-4 {env.get('flash_attn_4')}, "
              f"diffusers {env.get('diffusers', '?')}, peft {env.get('peft', '?')}. Median ms per training step over "
-             "rounds (stock: its range over rounds); in brackets stock / variant, the median of the per-round "
+             "rounds (stock: the range of its steps); in brackets stock / variant, the median of the per-round "
              "ratios and their range.", "",
              f"| cell | rounds | stock ms | no mask ms | varlen auto ms | varlen `{plain}` ms | host reads / step (auto, `{plain}`) |",
              "|---|---|---|---|---|---|---|"]
     for c in cells:
         s = c["summary"]
-        rounds = max(x["rounds_ok"] for x in s.values())
+        rounds = c["rounds"] or 0
         lines.append(f"| {c['title']} | {rounds} | {_ms(s['stock'], False)} | {_ms(s['nomask'], True)} | "
                      f"{_ms(s['varlen:auto'], True)} | {_ms(s[names[3]], True)} | "
                      f"{_per_step(s['varlen:auto'], 'host_syncs_per_step')}, {_per_step(s[names[3]], 'host_syncs_per_step')} |")
@@ -284,14 +256,14 @@ def table(cells: list[dict], names: list[str]) -> str:
 
         def cpu(v):
             x = s[v]
-            if x["main_thread_cpu_ms"] is None:
+            if x["median_ms"] is None:
                 return "-"
             other = x["other_threads_cpu_ms"]
             return f"{x['main_thread_cpu_ms']:.0f}" + (f" + {other:.0f}" if other is not None else "")
 
         auto = s["varlen:auto"]
-        ran = ", ".join(auto["backends"]) or "-"
-        if auto["fallbacks"]:
+        ran = ", ".join(auto.get("backends", {})) or "-"
+        if auto.get("fallbacks"):
             ran += f"; fallbacks {sum(auto['fallbacks'].values())}"
         lines.append(f"| {c['title']} | {cpu('stock')} | {cpu('nomask')} | {cpu('varlen:auto')} | {cpu(names[3])} | "
                      f"{_per_step(auto, 'plan_builds_per_step')} | {ran} |")
@@ -323,10 +295,8 @@ def main(argv=None) -> int:
         for i, gpu in enumerate(where):
             for cell in jobs[i]:
                 print(f"{'CUDA_VISIBLE_DEVICES=' + gpu if gpu is not None else 'cpu'}: {cell} ({cell_title(cell)}), "
-                      f"{args.rounds} round(s), variants in turn {names}, each process at most {args.timeout:g} s:")
-                for v in names:
-                    print("  " + shlex.join(command(args, cell, v, os.path.join(args.out, "logs", cell_file(cell),
-                                                                             f"r1_{v.replace(':', '_')}.json"))))
+                      f"{args.rounds} round(s), variants in turn {names}, the process at most {args.timeout:g} s:")
+                print("  " + shlex.join(command(args, cell, os.path.join(args.out, "logs", cell_file(cell) + ".json"))))
         return 0
 
     os.makedirs(args.out, exist_ok=True)
@@ -371,7 +341,8 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "headline.json"), "w") as fh:
         json.dump({"args": {k: v for k, v in vars(args).items()}, "variants": names,
                    "env": next((c["env"] for c in cells if c["env"]), None),
-                   "cells": {c["cell"]: {"title": c["title"], "seconds": c["seconds"], "summary": c["summary"]}
+                   "cells": {c["cell"]: {"title": c["title"], "seconds": c["seconds"], "rounds": c["rounds"],
+                                         "error": c["error"], "summary": c["summary"]}
                              for c in cells}, "failures": failures}, fh, indent=1, default=str)
     print()
     print(text)
