@@ -7,7 +7,8 @@ two masks: key padding ``[B, 1, 1, S]`` (Qwen-Image, Flux) and the outer product
 (Chroma); and once more with a plan built by ``build_plan`` and passed to every layer. For each
 path it prints the difference to stock and varlen_attn's own counts (``va.stats()``): plan
 builds and host reads per pass. A key-padding mask is planned on the device with no host read;
-any other mask with one read per call; a plan built once costs one read for all layers.
+any other mask with one read per call, and built once (later calls find their mask equal to the
+first's); a plan built once by ``build_plan`` costs one read for all layers.
 
 Runs on the CPU by default and on a GPU when one is present:
 
@@ -116,9 +117,9 @@ def main():
                      + ", ".join(f"{k} x{c}" for k, c in st["backends"].items())
                      + (f"; fallbacks {st['fallbacks']}" if st["fallbacks"] else ""))
         print(line.rstrip())
-    print(f"A key-padding mask gets its plan on the device with no host read, any other mask (Chroma's outer "
-          f"product) with one read per call; build_plan once per batch shares one read among all "
-          f"{args.layers} layers.")
+    print(f"A key-padding mask gets its plan on the device with no host read; any other mask (Chroma's outer "
+          f"product) costs one read per call, and one build per distinct mask; build_plan once per batch "
+          f"shares one read among all {args.layers} layers.")
     if not gpu:
         print("(no timings on the CPU: speed is not the point there, its backends exist for correctness)")
     tol = 1e-5 if dtype == torch.float32 else 3e-2
