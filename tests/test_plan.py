@@ -348,3 +348,46 @@ def test_padding_reading_matches_bruteforce_oracle(case):
     assert (sum(flags.values()) == 0) == one_segment(keep), flags
     if one_segment(keep):
         assert torch.equal(valid_q, keep[:, 0].any(dim=-1)) and torch.equal(valid_k, keep[:, 0].any(dim=-2))
+
+
+def test_a_plan_kept_under_inference_mode_is_not_taken_by_a_training_call():
+    """A validation pass under ``torch.inference_mode`` and then a training step with a mask of
+    equal values: the training call builds its own plan (a kept plan's tensors made under
+    inference mode cannot be saved for backward), and its output and gradients equal stock's."""
+    torch.manual_seed(0)
+    b, h, s, d = 3, 2, 12, 8
+    keep = torch.arange(s)[None] < torch.tensor([12, 5, 0])[:, None]
+    outer = keep[:, None, :, None] & keep[:, None, None, :]
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3))
+    with torch.inference_mode():
+        va.scaled_dot_product_attention(q, k, v, outer.clone())
+    got = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = [t.clone().requires_grad_() for t in (q, k, v)]
+    va.reset_stats()
+    va.scaled_dot_product_attention(*got, outer.clone()).sum().backward()
+    F.scaled_dot_product_attention(*want, attn_mask=outer).sum().backward()
+    assert va.stats()["plan_builds"] == 1, va.stats()
+    for a, w in zip(got, want):
+        torch.testing.assert_close(a.grad, w.grad, rtol=0, atol=1e-12)
+
+
+def test_the_kept_copy_of_a_mask_expanded_over_heads_holds_one_head():
+    """A mask expanded over heads (stride 0) is kept as one head's copy, and a later mask with
+    those values in every head takes its plan, while one that differs in any head does not."""
+    from varlen_attn.plan import _CALL_PLANS
+
+    b, h, s, d = 2, 4, 10, 8
+    keep = torch.arange(s)[None] < torch.tensor([10, 4])[:, None]
+    base = torch.where(keep[:, None, :, None] & keep[:, None, None, :], 0.0, float("-inf")).double()
+    q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3))
+    va.scaled_dot_product_attention(q, k, v, base.expand(b, h, s, s))
+    (snapshot, _), = _CALL_PLANS._entries.values()
+    assert snapshot.shape == (b, 1, s, s)
+    va.reset_stats()
+    dense = base.expand(b, h, s, s).clone()
+    va.scaled_dot_product_attention(q, k, v, dense)
+    assert va.stats()["plan_builds"] == 0, va.stats()
+    dense[1, 3, 0, 0] = float("-inf")  # one head differs: not the kept mask (not a padding mask either)
+    got = va.scaled_dot_product_attention(q, k, v, dense)
+    torch.testing.assert_close(got, F.scaled_dot_product_attention(q, k, v, attn_mask=dense), rtol=0, atol=1e-12)
+    assert va.stats()["plan_builds"] == 1, va.stats()

@@ -667,10 +667,10 @@ class _CallPlans:
     outer product, 114 calls a training step at full depth) builds its plan once per distinct
     mask, and a mask that differs in any value, however it was made or written, is built anew.
 
-    Why: building in every call cost Chroma's 1024 px training step 13% (1.35x -> 1.17x over
-    stock, H200, FA4, benchmarks/NOTES.md entry 47); a read alone costs about 0.26 ms with the
-    GPU saturated. The copy costs the mask's memory once per key (a bool ``[3, 1, 4608, 4608]``
-    mask is 64 MB); :func:`clear_plan_cache` frees them."""
+    Why: building in every call cost Chroma's 1024 px training step 1.35x -> 1.17x over stock
+    (H200, FA4); with the kept plan it ran 1.29x (benchmarks/NOTES.md entry 48). The copy keeps a broadcast dim at size 1 and costs the mask's memory once per
+    key (a bool ``[3, 1, 4608, 4608]`` mask is 64 MB; :func:`clear_plan_cache` frees them). The key
+    holds the stream and the inference mode a plan was built in: it is taken only there."""
 
     def __init__(self, capacity: int = 4):
         self._entries: dict[tuple, tuple[torch.Tensor, VarlenPlan]] = {}
@@ -684,8 +684,7 @@ class _CallPlans:
             return None
         return None if _host(torch.ne(entry[0], mask4).any()) else entry[1]
 
-    def put(self, mask4: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
-        snapshot = mask4.detach().clone()
+    def put(self, snapshot: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
         with self._lock:
             self._entries.pop(key, None)
             if len(self._entries) >= self._capacity:
@@ -725,13 +724,33 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
         _stats.record_plan_build()
         dead, k_side = key_padding_side(mask4, batch=batch, seqlen_k=seqlen_k)
         return _padding_plan(batch, seqlen_q, seqlen_k, None, k_side, dead)
-    key = (tuple(mask4.shape), mask4.dtype, mask4.device, batch, seqlen_q, seqlen_k, float01_as_bool, host)
+    # A kept plan is taken only where it was built: the same stream (its tensors were queued
+    # there) and the same inference mode (inference tensors cannot be saved for backward).
+    stream = torch.cuda.current_stream(mask4.device).stream_id if mask4.is_cuda else None
+    key = (tuple(mask4.shape), mask4.dtype, mask4.device, batch, seqlen_q, seqlen_k, float01_as_bool, host,
+           stream, torch.is_inference_mode_enabled())
     plan = _CALL_PLANS.get(mask4, key)
     if plan is None:
         _stats.record_plan_build()
-        plan = _built_plan(mask4, batch, seqlen_q, seqlen_k, float01_as_bool, host)
-        _CALL_PLANS.put(mask4, key, plan)
+        snapshot = _compact_copy(mask4)
+        if snapshot.numel() > _CALL_SNAPSHOT_MAX:
+            return _built_plan(mask4, batch, seqlen_q, seqlen_k, float01_as_bool, host)
+        # Built from the copy, so the kept plan is the copy's even if the mask is written meanwhile.
+        plan = _built_plan(snapshot.expand(mask4.shape), batch, seqlen_q, seqlen_k, float01_as_bool, host)
+        _CALL_PLANS.put(snapshot, key, plan)
     return plan
+
+
+# A mask whose copy would exceed this many elements is built in every call (never kept). Chroma's
+# 1024 px [3, 1, 4608, 4608] mask has 64 M.
+_CALL_SNAPSHOT_MAX = 1 << 28
+
+
+def _compact_copy(mask: torch.Tensor) -> torch.Tensor:
+    """A copy of ``mask`` with its broadcast (stride-0) dims kept at size 1: a mask expanded over
+    heads costs one head's memory; compared with a mask by broadcasting."""
+    index = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(mask.shape, mask.stride()))
+    return mask.detach()[index].clone()
 
 
 def _built_plan(mask4, batch, seqlen_q, seqlen_k, float01_as_bool, host) -> VarlenPlan:
