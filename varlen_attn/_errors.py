@@ -92,8 +92,9 @@ def as_real(name: str, value: object, expected: str = "a float or a 0-d tensor")
 _warned: set[str] = set()
 
 
-def warn_once(key: str, message: str) -> None:
-    """Log ``message`` as a warning of the ``varlen_attn`` logger, once per process per ``key``."""
+def warn_once(key: str, message: str, *args) -> None:
+    """Log ``message % args`` as a warning of the ``varlen_attn`` logger, once per process per
+    ``key`` (formatted only then)."""
     if key not in _warned:
         _warned.add(key)
-        logging.getLogger("varlen_attn").warning(message)
+        logging.getLogger("varlen_attn").warning(message, *args)

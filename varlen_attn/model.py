@@ -17,18 +17,16 @@ same with and without checkpointing; ``False`` keeps stock's behaviour.
 from __future__ import annotations
 
 import inspect
-import logging
 
 import torch
 
-from ._errors import InputTypeError, check_bool, describe
+from ._errors import InputTypeError, check_bool, describe, warn_once
 from .hook import Entry, current, install, installed, pop_entry_of, push
 from .kernels import requested_backend
 from .policy import Policy
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
 
-logger = logging.getLogger("varlen_attn")
 
 
 class _State:
@@ -100,17 +98,12 @@ def _leave_attention(module, args, output):
         pop_entry_of(module)
 
 
-_warned_replaced = [False]
-
-
 def _warn_replaced() -> None:
-    if not _warned_replaced[0]:
-        _warned_replaced[0] = True
-        logger.warning(
-            "varlen_attn: torch.nn.functional.scaled_dot_product_attention was replaced after "
-            "varlen_attn was enabled, by a function that does not pass calls on to it: enabled "
-            "models run that function's attention, not varlen_attn's. Enable varlen_attn after "
-            "the other library patches SDPA.")
+    warn_once("sdpa_replaced",
+              "varlen_attn: torch.nn.functional.scaled_dot_product_attention was replaced after "
+              "varlen_attn was enabled, by a function that does not pass calls on to it: enabled "
+              "models run that function's attention, not varlen_attn's. Enable varlen_attn after "
+              "the other library patches SDPA.")
 
 
 def _add_hooks(module, pre, post, with_kwargs=False) -> None:
@@ -312,18 +305,16 @@ class _Checkpoint:
         entry = current()
         if entry is not None and entry.checkpoint_mask is not None and isinstance(block, torch.nn.Module):
             restored = _restore_mask(block, args, kwargs, entry.checkpoint_mask)
-            if len(restored) > len(args) and not _noticed[0] and not torch.compiler.is_compiling():
-                _noticed[0] = True
-                logger.warning(
-                    "varlen_attn: %s is checkpointed and called without attention_mask, so stock "
-                    "attends to the padding there; varlen_attn passes the model's mask back in (results "
-                    "differ from stock's on purpose). enable_varlen(..., restore_checkpoint_mask=False) "
-                    "keeps stock's behaviour.", type(block).__name__)
+            if len(restored) > len(args) and not torch.compiler.is_compiling():
+                warn_once("checkpoint_mask",
+                          "varlen_attn: %s is checkpointed and called without attention_mask, so stock "
+                          "attends to the padding there; varlen_attn passes the model's mask back in (results "
+                          "differ from stock's on purpose). enable_varlen(..., restore_checkpoint_mask=False) "
+                          "keeps stock's behaviour.", type(block).__name__)
             args = restored
         return self.func(block, *args, **kwargs)
 
 
-_noticed = [False]  # the notice above, once per process
 
 
 def _checkpointing_modules(model) -> list[torch.nn.Module]:

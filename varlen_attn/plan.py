@@ -198,6 +198,12 @@ def _host(t: torch.Tensor) -> list[int]:
     return t.tolist()
 
 
+def _equal_values(kept: torch.Tensor, mask: torch.Tensor) -> bool:
+    """``mask`` holds the values of ``kept`` (a copy, broadcast to ``mask``'s shape), compared on
+    the device in one counted host read: how a cached plan is confirmed (NaN equals nothing)."""
+    return not _host(torch.ne(kept, mask).any())
+
+
 def _cu(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
@@ -560,12 +566,9 @@ class _PlanCache:
         if entry is None:
             return None
         ref, entry_key, snapshot, plan = entry
-        if ref() is not mask or entry_key != key:
+        if ref() is not mask or entry_key != key or snapshot.shape != mask.shape:
             return None
-        _stats.record_host_sync()
-        if not torch.equal(snapshot, mask):
-            return None
-        return plan
+        return plan if _equal_values(snapshot, mask) else None
 
     def put(self, mask: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
         if not self._cacheable(mask):
@@ -682,7 +685,7 @@ class _CallPlans:
             entry = self._entries.get(key)
         if entry is None:
             return None
-        return None if _host(torch.ne(entry[0], mask4).any()) else entry[1]
+        return entry[1] if _equal_values(entry[0], mask4) else None
 
     def put(self, snapshot: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
         with self._lock:

@@ -10,16 +10,14 @@ can make a call run with another mask's plan.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from ._errors import InputTypeError, InputValueError, check_bool
+from ._errors import InputTypeError, InputValueError, check_bool, warn_once
 from .kernels import SDPA, requested_backend
 from .plan import VarlenPlan, call_plan, full_plan
 
-logger = logging.getLogger("varlen_attn")
 
 FLOAT_POLICIES = ("bool", "bias", "error")
 
@@ -79,9 +77,6 @@ def resolve_plan(mask4: torch.Tensor | None, *, batch: int, seqlen_q: int, seqle
     return found
 
 
-_warned: set[str] = set()
-
-
 def mask_info(dtype, shape) -> str:
     """How errors name a mask: ``"dtype torch.float32, shape (3, 1, 12, 12)"``."""
     return f"dtype {dtype}, shape {tuple(shape)}"
@@ -96,11 +91,7 @@ def float_mask_read_as_bool(policy: str, info: str) -> None:
             f"attention and float_mask='error'; pass a bool mask (True = keep), or choose "
             f"float_mask='bool' (read as keep-mask) or 'bias' (SDPA's additive reading)"
         )
-    if "float01" not in _warned:
-        _warned.add("float01")
-        logger.warning(
-            "varlen_attn: a float 0/1 attention mask reached attention (Chroma's pipeline passes "
-            "one); reading it as boolean (1 = keep), as the pipeline means it, not as SDPA's "
-            "additive bias. float_mask='bias' keeps the stock reading."
-        )
+    warn_once("float01", "varlen_attn: a float 0/1 attention mask reached attention (Chroma's pipeline "
+              "passes one); reading it as boolean (1 = keep), as the pipeline means it, not as SDPA's "
+              "additive bias. float_mask='bias' keeps the stock reading.")
 
