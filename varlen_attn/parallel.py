@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ._errors import InputTypeError, InputValueError, describe
 from .functional import attention
@@ -52,38 +53,35 @@ def shard_sequence(x: torch.Tensor, *, group=None, dim: int = 1) -> torch.Tensor
     return torch.tensor_split(x, world, dim=dim)[rank]
 
 
-class _AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` along dim 0 with split sizes, differentiable: the gradient
-    travels back by the same exchange with the split sizes swapped."""
-
-    @staticmethod
-    def forward(ctx, x, send: list[int], recv: list[int], group):
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        x = x.contiguous()
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _AllToAll.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """All-to-all along dim 0 with split sizes, differentiable (the gradient travels back by the
+    same exchange with the split sizes swapped) and traceable by ``torch.compile``: the functional
+    collective. Eagerly it returns an ``AsyncCollectiveTensor``, waited for at its first use by
+    an op that reads it (views of it stay unwaited)."""
+    return funcol.all_to_all_single_autograd(x, recv, send, dist.group.WORLD if group is None else group)
 
 
-def _seq_to_heads(x: torch.Tensor, sizes: list[int], rank: int, world: int, group) -> torch.Tensor:
-    """``[B, S_r, H, D]`` (this rank's tokens, all heads) -> ``[B, S, H/P, D]`` (all tokens,
-    this rank's head group)."""
-    b, s, h, d = x.shape
-    # Chunk j of dim 0 (this rank's tokens of head group j) goes to rank j.
-    x = x.reshape(b, s, world, h // world, d).permute(2, 1, 0, 3, 4).reshape(world * s, b, h // world, d)
-    out = _AllToAll.apply(x, [s] * world, sizes, group)  # [S, B, H/P, D], rank order = sequence order
-    return out.permute(1, 0, 2, 3)
+def _seq_to_heads(xs: list[torch.Tensor], sizes: list[int], world: int, group) -> list[torch.Tensor]:
+    """``[B, S_r, H_i, D_i]`` (this rank's tokens, all heads) -> ``[B, S, H_i/P, D_i]`` (all tokens,
+    this rank's head group), for tensors of one batch, length and dtype in one exchange: one copy
+    into the send buffer ``[P, S_r, B, sum_i H_i/P * D_i]``, whose chunk ``j`` (this rank's tokens of
+    head group ``j`` of every tensor) goes to rank ``j``; the results are views of the received
+    ``[S, B, sum_i H_i/P * D_i]``, rank order = sequence order."""
+    b, s = xs[0].shape[:2]
+    heads = [(x.shape[2] // world, x.shape[3]) for x in xs]
+    send = torch.cat([x.reshape(b, s, world, h, d).permute(2, 1, 0, 3, 4).flatten(3)
+                      for x, (h, d) in zip(xs, heads)], dim=3)
+    out = _all_to_all(send.reshape(world * s, b, -1), [s] * world, sizes, group)
+    # split, not slicing: its gradient is one cat into the buffer sent back
+    parts = out.split([h * d for h, d in heads], dim=2)
+    return [y.unflatten(2, hd).permute(1, 0, 2, 3) for y, hd in zip(parts, heads)]
 
 
 def _heads_to_seq(x: torch.Tensor, sizes: list[int], rank: int, world: int, group) -> torch.Tensor:
-    """The inverse of :func:`_seq_to_heads`: ``[B, S, H/P, D]`` -> ``[B, S_r, H, D]``."""
+    """The inverse of :func:`_seq_to_heads` for one tensor: ``[B, S, H/P, D]`` -> ``[B, S_r, H, D]``."""
     b, _, h, d = x.shape
     s = sizes[rank]
-    out = _AllToAll.apply(x.permute(1, 0, 2, 3), sizes, [s] * world, group)  # [P * S_r, B, H/P, D]
+    out = _all_to_all(x.permute(1, 0, 2, 3).contiguous(), sizes, [s] * world, group)  # [P * S_r, B, H/P, D]
     return out.reshape(world, s, b, h, d).permute(2, 1, 0, 3, 4).reshape(b, s, world * h, d)
 
 
@@ -186,9 +184,16 @@ def ulysses_attention(
         raise InputValueError(f"value must hold as many tokens as key, got key {tuple(key.shape)} "
                               f"and value {tuple(value.shape)}")
     q_sizes, k_sizes = shard_sizes(sq, world), shard_sizes(sk, world)
-    q = _seq_to_heads(query, q_sizes, rank, world, group)
-    k = _seq_to_heads(key, k_sizes, rank, world, group)
-    v = _seq_to_heads(value, k_sizes, rank, world, group)
+    # Consecutive tensors of one batch, split and dtype share an exchange: q, k and v in
+    # self-attention (GQA and a different Dv too); q apart from k and v in cross-attention.
+    groups: list[tuple[list[torch.Tensor], list[int]]] = []
+    for t, sizes in ((query, q_sizes), (key, k_sizes), (value, k_sizes)):
+        last = groups[-1][0][-1] if groups else None
+        if last is not None and (sizes, t.shape[:2], t.dtype) == (groups[-1][1], last.shape[:2], last.dtype):
+            groups[-1][0].append(t)
+        else:
+            groups.append(([t], sizes))
+    q, k, v = (y for ts, sizes in groups for y in _seq_to_heads(ts, sizes, world, group))
     mask = _local_heads(attn_mask, query.shape[0], query.shape[2], rank, world)
     out = attention(q, k, v, mask, **options)
     return _heads_to_seq(out, q_sizes, rank, world, group)
