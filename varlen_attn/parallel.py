@@ -3,10 +3,12 @@
 Each rank of a process group holds a contiguous slice of the sequence (``[B, S_r, H, D]``).
 :func:`ulysses_attention` exchanges the slices with one all-to-all so that each rank holds the
 *whole* sequence for ``H / P`` of the heads, runs :func:`varlen_attn.attention` there, and
-exchanges back. Attention over the whole sequence needs no new plan and no new mask logic: the
-full mask, replicated on every rank, means the same thing for every head group, so the plan of a
-single-process run is used unchanged (built once per batch, one sync on each rank, no
-collective for it).
+exchanges back. q, k and v share the first all-to-all when their slices are equally long (one
+copy into the send buffer; q, k and v are views of the received one): two exchanges per call
+in self-attention, three in cross-attention. Attention over the whole sequence needs no new
+plan and no new mask logic: the full mask, replicated on every rank, means the same thing for
+every head group, so the plan of a single-process run is used unchanged (built once per batch,
+one sync on each rank, no collective for it).
 
 Uneven lengths (``S`` not divisible by ``P``) use all-to-all with split sizes, not padding:
 padding would need a second mask and would send padded tokens over the wire. The sharding
@@ -53,12 +55,21 @@ def shard_sequence(x: torch.Tensor, *, group=None, dim: int = 1) -> torch.Tensor
     return torch.tensor_split(x, world, dim=dim)[rank]
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
-    """All-to-all along dim 0 with split sizes, differentiable (the gradient travels back by the
-    same exchange with the split sizes swapped) and traceable by ``torch.compile``: the functional
-    collective. Eagerly it returns an ``AsyncCollectiveTensor``, waited for at its first use by
-    an op that reads it (views of it stay unwaited)."""
-    return funcol.all_to_all_single_autograd(x, recv, send, dist.group.WORLD if group is None else group)
+class _AllToAll(torch.autograd.Function):
+    """All-to-all along dim 0 with split sizes, differentiable: the gradient travels back by the
+    same exchange with the split sizes swapped. The functional collective, waited for at once:
+    torch.compile traces it as is, and eagerly the result is a plain tensor (not an
+    ``AsyncCollectiveTensor``, which some kernels past the dispatcher cannot take)."""
+
+    @staticmethod
+    def forward(ctx, x, send: list[int], recv: list[int], group):
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        pg = dist.group.WORLD if group is None else group
+        return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv, send, pg))
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _AllToAll.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
 def _seq_to_heads(xs: list[torch.Tensor], sizes: list[int], world: int, group) -> list[torch.Tensor]:
@@ -71,7 +82,7 @@ def _seq_to_heads(xs: list[torch.Tensor], sizes: list[int], world: int, group) -
     heads = [(x.shape[2] // world, x.shape[3]) for x in xs]
     send = torch.cat([x.reshape(b, s, world, h, d).permute(2, 1, 0, 3, 4).flatten(3)
                       for x, (h, d) in zip(xs, heads)], dim=3)
-    out = _all_to_all(send.reshape(world * s, b, -1), [s] * world, sizes, group)
+    out = _AllToAll.apply(send.reshape(world * s, b, -1), [s] * world, sizes, group)
     # split, not slicing: its gradient is one cat into the buffer sent back
     parts = out.split([h * d for h, d in heads], dim=2)
     return [y.unflatten(2, hd).permute(1, 0, 2, 3) for y, hd in zip(parts, heads)]
@@ -81,7 +92,7 @@ def _heads_to_seq(x: torch.Tensor, sizes: list[int], rank: int, world: int, grou
     """The inverse of :func:`_seq_to_heads` for one tensor: ``[B, S, H/P, D]`` -> ``[B, S_r, H, D]``."""
     b, _, h, d = x.shape
     s = sizes[rank]
-    out = _all_to_all(x.permute(1, 0, 2, 3).contiguous(), sizes, [s] * world, group)  # [P * S_r, B, H/P, D]
+    out = _AllToAll.apply(x.permute(1, 0, 2, 3), sizes, [s] * world, group)  # [P * S_r, B, H/P, D]
     return out.reshape(world, s, b, h, d).permute(2, 1, 0, 3, 4).reshape(b, s, world * h, d)
 
 
