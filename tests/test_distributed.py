@@ -162,6 +162,20 @@ def _ulysses_exchanges_worker(rank: int):
         expected = 2 if sq == sk else 3
         assert _exchanges(forward.calls) == expected, (name, forward.calls)
         assert _exchanges(backward.calls) == expected, (name, backward.calls)
+    # a value head dim unlike the key's shares the exchange too (slices of other widths)
+    g = torch.Generator().manual_seed(5)
+    keep = torch.rand(b, 7, generator=g) > 0.3
+    q, k = (torch.randn(b, 7, h, d, generator=g, dtype=F64) for _ in range(2))
+    v = torch.randn(b, 7, h, 2 * d, generator=g, dtype=F64)
+    w = torch.randn(b, 7, h, 2 * d, generator=g, dtype=F64)
+    ref = _grads(lambda q, k, v: _sdpa_ref(q, k, v, keep[:, None, None]), q, k, v, w)
+    single = _grads(lambda q, k, v: va.attention(q, k, v, keep), q, k, v, w)
+    with CountCollectives() as calls:
+        got = _grads(lambda q, k, v: ulysses_attention(q, k, v, keep), *(shard_sequence(t) for t in (q, k, v)),
+                     shard_sequence(w))
+    assert _exchanges(calls.calls) == 4, calls.calls  # forward and backward
+    assert_model_close(got, {n: shard_sequence(t) for n, t in ref.items()},
+                       baseline={n: shard_sequence(t) for n, t in single.items()}, what=f"rank {rank}/value dim")
 
 
 def test_ulysses_exchanges_qkv_at_once(tmp_path):
