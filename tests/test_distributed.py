@@ -182,7 +182,7 @@ def test_ulysses_exchanges_qkv_at_once(tmp_path):
     spawn(tmp_path, _ulysses_exchanges_worker)
 
 
-def _ulysses_compile_worker(rank: int):
+def _ulysses_compile_worker(rank: int, compiler: str):
     import torch._dynamo.testing as dynamo_testing
     from torch._dynamo.utils import counters
 
@@ -198,7 +198,7 @@ def _ulysses_compile_worker(rank: int):
     for name, fn in calls.items():
         torch._dynamo.reset()
         counters.clear()
-        cnt = dynamo_testing.CompileCounterWithBackend("aot_eager")
+        cnt = dynamo_testing.CompileCounterWithBackend(compiler)
         got = _grads(torch.compile(fn, fullgraph=True, backend=cnt), q, k, v, w)
         assert cnt.frame_count == 1, (name, cnt.frame_count)
         assert not counters["graph_break"], (name, dict(counters["graph_break"]))
@@ -207,8 +207,9 @@ def _ulysses_compile_worker(rank: int):
             assert torch.equal(got[n], eager[n]), (rank, name, n, (got[n] - eager[n]).abs().max())
 
 
-def test_ulysses_compiles_without_graph_breaks(tmp_path):
-    spawn(tmp_path, _ulysses_compile_worker)
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_ulysses_compiles_without_graph_breaks(tmp_path, compiler):
+    spawn(tmp_path, _ulysses_compile_worker, compiler)
 
 
 def _ulysses_errors_worker(rank: int):
