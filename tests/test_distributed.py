@@ -229,6 +229,12 @@ def _ulysses_errors_worker(rank: int):
         assert re.search(r"key: rank \d of 2 must hold [34] of the 7 tokens given by attn_mask.*got 5", str(e)), str(e)
     else:
         raise AssertionError("a slice that does not fit the mask must raise")
+    try:  # checked before q, k and v are packed into one buffer (torch.cat would promote)
+        ulysses_attention(x, x.float(), x.float())
+    except va.InputTypeError as e:
+        assert "must share a dtype" in str(e), str(e)
+    else:
+        raise AssertionError("q, k and v of different dtypes must raise")
 
 
 def test_ulysses_refuses_heads_not_divisible_and_wrong_slices(tmp_path):

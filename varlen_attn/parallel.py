@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from ._errors import InputTypeError, InputValueError, describe
-from .functional import attention
+from .functional import _check_qkv, attention
 from .plan import VarlenPlan
 
 
@@ -161,11 +161,8 @@ def ulysses_attention(
     ``Sk`` when the local slices are equally long, else the mask's query dim if it has one);
     without either the slices must be even (``S = P * S_r``).
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise InputTypeError(f"{name} must be a torch.Tensor, got {describe(t)}")
-        if t.dim() != 4:
-            raise InputValueError(f"{name} must be 4-D [B, S/P, H, D], got shape {tuple(t.shape)}")
+    # attention's checks, on the slices: q, k and v of one batch, dtype and device pack together
+    _check_qkv(query, key, value, enable_gqa, "bshd")
     rank, world = _group_info(group)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.shape[2] % world:
@@ -191,20 +188,12 @@ def ulysses_attention(
             sq_hint, sq_from = sk_hint, "attn_mask's last dim (self-attention)"
     sk = _full_length("key", key.shape[1], sk_hint, sk_from, rank, world)
     sq = _full_length("query", query.shape[1], sq_hint, sq_from, rank, world)
-    if value.shape[1] != key.shape[1]:
-        raise InputValueError(f"value must hold as many tokens as key, got key {tuple(key.shape)} "
-                              f"and value {tuple(value.shape)}")
     q_sizes, k_sizes = shard_sizes(sq, world), shard_sizes(sk, world)
-    # Consecutive tensors of one batch, split and dtype share an exchange: q, k and v in
-    # self-attention (GQA and a different Dv too); q apart from k and v in cross-attention.
-    groups: list[tuple[list[torch.Tensor], list[int]]] = []
-    for t, sizes in ((query, q_sizes), (key, k_sizes), (value, k_sizes)):
-        last = groups[-1][0][-1] if groups else None
-        if last is not None and (sizes, t.shape[:2], t.dtype) == (groups[-1][1], last.shape[:2], last.dtype):
-            groups[-1][0].append(t)
-        else:
-            groups.append(([t], sizes))
-    q, k, v = (y for ts, sizes in groups for y in _seq_to_heads(ts, sizes, world, group))
+    if sq == sk:  # q, k and v in one exchange (GQA and a different Dv too)
+        q, k, v = _seq_to_heads([query, key, value], q_sizes, world, group)
+    else:  # cross-attention: q's slices are not k's and v's
+        (q,) = _seq_to_heads([query], q_sizes, world, group)
+        k, v = _seq_to_heads([key, value], k_sizes, world, group)
     mask = _local_heads(attn_mask, query.shape[0], query.shape[2], rank, world)
     out = attention(q, k, v, mask, **options)
     return _heads_to_seq(out, q_sizes, rank, world, group)
