@@ -138,6 +138,80 @@ def test_ulysses_equals_single_process_attention(tmp_path):
     spawn(tmp_path, _ulysses_worker)
 
 
+def _exchanges(calls: dict[str, int]) -> int:
+    """All-to-alls among the ops :class:`CountCollectives` counted: the functional collective's
+    and ``dist.all_to_all_single``'s."""
+    return sum(n for op, n in calls.items() if op.split(".")[0] in ("all_to_all_single", "alltoall_base_"))
+
+
+def _ulysses_exchanges_worker(rank: int):
+    from varlen_attn.parallel import shard_sequence, ulysses_attention
+
+    b, h, d = 3, 4, 8
+    for name, sq, sk, hkv, mask, _, use_plan in _ulysses_cases(b, h, d):
+        g = torch.Generator().manual_seed(len(name))
+        q = shard_sequence(torch.randn(b, sq, h, d, generator=g, dtype=F64)).requires_grad_()
+        k, v = (shard_sequence(torch.randn(b, sk, hkv, d, generator=g, dtype=F64)).requires_grad_()
+                for _ in range(2))
+        plan = va.build_plan(mask, seqlen_q=sq) if use_plan else None
+        with CountCollectives() as forward:
+            out = ulysses_attention(q, k, v, mask, plan=plan, enable_gqa=hkv != h)
+        with CountCollectives() as backward:
+            out.sum().backward()
+        # q, k and v in one exchange, the output in one; cross-attention's q has splits of its own
+        expected = 2 if sq == sk else 3
+        assert _exchanges(forward.calls) == expected, (name, forward.calls)
+        assert _exchanges(backward.calls) == expected, (name, backward.calls)
+    # a value head dim unlike the key's shares the exchange too (slices of other widths)
+    g = torch.Generator().manual_seed(5)
+    keep = torch.rand(b, 7, generator=g) > 0.3
+    q, k = (torch.randn(b, 7, h, d, generator=g, dtype=F64) for _ in range(2))
+    v = torch.randn(b, 7, h, 2 * d, generator=g, dtype=F64)
+    w = torch.randn(b, 7, h, 2 * d, generator=g, dtype=F64)
+    ref = _grads(lambda q, k, v: _sdpa_ref(q, k, v, keep[:, None, None]), q, k, v, w)
+    single = _grads(lambda q, k, v: va.attention(q, k, v, keep), q, k, v, w)
+    with CountCollectives() as calls:
+        got = _grads(lambda q, k, v: ulysses_attention(q, k, v, keep), *(shard_sequence(t) for t in (q, k, v)),
+                     shard_sequence(w))
+    assert _exchanges(calls.calls) == 4, calls.calls  # forward and backward
+    assert_model_close(got, {n: shard_sequence(t) for n, t in ref.items()},
+                       baseline={n: shard_sequence(t) for n, t in single.items()}, what=f"rank {rank}/value dim")
+
+
+def test_ulysses_exchanges_qkv_at_once(tmp_path):
+    spawn(tmp_path, _ulysses_exchanges_worker)
+
+
+def _ulysses_compile_worker(rank: int, compiler: str):
+    import torch._dynamo.testing as dynamo_testing
+    from torch._dynamo.utils import counters
+
+    from varlen_attn.parallel import shard_sequence
+
+    b, s, h, d = 3, 7, 4, 8  # uneven: 4 and 3 tokens
+    keep = torch.tensor([[1, 1, 0, 1, 0, 0, 1], [0] * 7, [1] * 7], dtype=torch.bool)
+    plan = va.build_plan(keep)
+    calls = {"plan": lambda q, k, v: va.ulysses_attention(q, k, v, keep, plan=plan),
+             "mask": lambda q, k, v: va.ulysses_attention(q, k, v, keep)}
+    g = torch.Generator().manual_seed(4)
+    q, k, v, w = (shard_sequence(torch.randn(b, s, h, d, generator=g, dtype=F64)) for _ in range(4))
+    for name, fn in calls.items():
+        torch._dynamo.reset()
+        counters.clear()
+        cnt = dynamo_testing.CompileCounterWithBackend(compiler)
+        got = _grads(torch.compile(fn, fullgraph=True, backend=cnt), q, k, v, w)
+        assert cnt.frame_count == 1, (name, cnt.frame_count)
+        assert not counters["graph_break"], (name, dict(counters["graph_break"]))
+        eager = _grads(fn, q, k, v, w)
+        for n in eager:
+            assert torch.equal(got[n], eager[n]), (rank, name, n, (got[n] - eager[n]).abs().max())
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_ulysses_compiles_without_graph_breaks(tmp_path, compiler):
+    spawn(tmp_path, _ulysses_compile_worker, compiler)
+
+
 def _ulysses_errors_worker(rank: int):
     from varlen_attn.parallel import ulysses_attention
 
@@ -155,6 +229,12 @@ def _ulysses_errors_worker(rank: int):
         assert re.search(r"key: rank \d of 2 must hold [34] of the 7 tokens given by attn_mask.*got 5", str(e)), str(e)
     else:
         raise AssertionError("a slice that does not fit the mask must raise")
+    try:  # checked before q, k and v are packed into one buffer (torch.cat would promote)
+        ulysses_attention(x, x.float(), x.float())
+    except va.InputTypeError as e:
+        assert "must share a dtype" in str(e), str(e)
+    else:
+        raise AssertionError("q, k and v of different dtypes must raise")
 
 
 def test_ulysses_refuses_heads_not_divisible_and_wrong_slices(tmp_path):

@@ -3,10 +3,12 @@
 Each rank of a process group holds a contiguous slice of the sequence (``[B, S_r, H, D]``).
 :func:`ulysses_attention` exchanges the slices with one all-to-all so that each rank holds the
 *whole* sequence for ``H / P`` of the heads, runs :func:`varlen_attn.attention` there, and
-exchanges back. Attention over the whole sequence needs no new plan and no new mask logic: the
-full mask, replicated on every rank, means the same thing for every head group, so the plan of a
-single-process run is used unchanged (built once per batch, one sync on each rank, no
-collective for it).
+exchanges back. q, k and v share the first all-to-all when their slices are equally long (one
+copy into the send buffer; q, k and v are views of the received one): two exchanges per call
+in self-attention, three in cross-attention. Attention over the whole sequence needs no new
+plan and no new mask logic: the full mask, replicated on every rank, means the same thing for
+every head group, so the plan of a single-process run is used unchanged (built once per batch,
+one sync on each rank, no collective for it).
 
 Uneven lengths (``S`` not divisible by ``P``) use all-to-all with split sizes, not padding:
 padding would need a second mask and would send padded tokens over the wire. The sharding
@@ -22,9 +24,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ._errors import InputTypeError, InputValueError, describe
-from .functional import attention
+from .functional import _check_qkv, attention
 from .plan import VarlenPlan
 
 
@@ -53,34 +56,40 @@ def shard_sequence(x: torch.Tensor, *, group=None, dim: int = 1) -> torch.Tensor
 
 
 class _AllToAll(torch.autograd.Function):
-    """``dist.all_to_all_single`` along dim 0 with split sizes, differentiable: the gradient
-    travels back by the same exchange with the split sizes swapped."""
+    """All-to-all along dim 0 with split sizes, differentiable: the gradient travels back by the
+    same exchange with the split sizes swapped. The functional collective, waited for at once:
+    torch.compile traces it as is, and eagerly the result is a plain tensor (not an
+    ``AsyncCollectiveTensor``, which some kernels past the dispatcher cannot take)."""
 
     @staticmethod
     def forward(ctx, x, send: list[int], recv: list[int], group):
         ctx.send, ctx.recv, ctx.group = send, recv, group
-        x = x.contiguous()
-        out = x.new_empty((sum(recv), *x.shape[1:]))
-        dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
-        return out
+        pg = dist.group.WORLD if group is None else group
+        return funcol.wait_tensor(funcol.all_to_all_single(x.contiguous(), recv, send, pg))
 
     @staticmethod
     def backward(ctx, grad):
         return _AllToAll.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
 
 
-def _seq_to_heads(x: torch.Tensor, sizes: list[int], rank: int, world: int, group) -> torch.Tensor:
-    """``[B, S_r, H, D]`` (this rank's tokens, all heads) -> ``[B, S, H/P, D]`` (all tokens,
-    this rank's head group)."""
-    b, s, h, d = x.shape
-    # Chunk j of dim 0 (this rank's tokens of head group j) goes to rank j.
-    x = x.reshape(b, s, world, h // world, d).permute(2, 1, 0, 3, 4).reshape(world * s, b, h // world, d)
-    out = _AllToAll.apply(x, [s] * world, sizes, group)  # [S, B, H/P, D], rank order = sequence order
-    return out.permute(1, 0, 2, 3)
+def _seq_to_heads(xs: list[torch.Tensor], sizes: list[int], world: int, group) -> list[torch.Tensor]:
+    """``[B, S_r, H_i, D_i]`` (this rank's tokens, all heads) -> ``[B, S, H_i/P, D_i]`` (all tokens,
+    this rank's head group), for tensors of one batch, length and dtype in one exchange: one copy
+    into the send buffer ``[P, S_r, B, sum_i H_i/P * D_i]``, whose chunk ``j`` (this rank's tokens of
+    head group ``j`` of every tensor) goes to rank ``j``; the results are views of the received
+    ``[S, B, sum_i H_i/P * D_i]``, rank order = sequence order."""
+    b, s = xs[0].shape[:2]
+    heads = [(x.shape[2] // world, x.shape[3]) for x in xs]
+    send = torch.cat([x.reshape(b, s, world, h, d).permute(2, 1, 0, 3, 4).flatten(3)
+                      for x, (h, d) in zip(xs, heads)], dim=3)
+    out = _AllToAll.apply(send.reshape(world * s, b, -1), [s] * world, sizes, group)
+    # split, not slicing: its gradient is one cat into the buffer sent back
+    parts = out.split([h * d for h, d in heads], dim=2)
+    return [y.unflatten(2, hd).permute(1, 0, 2, 3) for y, hd in zip(parts, heads)]
 
 
 def _heads_to_seq(x: torch.Tensor, sizes: list[int], rank: int, world: int, group) -> torch.Tensor:
-    """The inverse of :func:`_seq_to_heads`: ``[B, S, H/P, D]`` -> ``[B, S_r, H, D]``."""
+    """The inverse of :func:`_seq_to_heads` for one tensor: ``[B, S, H/P, D]`` -> ``[B, S_r, H, D]``."""
     b, _, h, d = x.shape
     s = sizes[rank]
     out = _AllToAll.apply(x.permute(1, 0, 2, 3), sizes, [s] * world, group)  # [P * S_r, B, H/P, D]
@@ -152,11 +161,8 @@ def ulysses_attention(
     ``Sk`` when the local slices are equally long, else the mask's query dim if it has one);
     without either the slices must be even (``S = P * S_r``).
     """
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if not isinstance(t, torch.Tensor):
-            raise InputTypeError(f"{name} must be a torch.Tensor, got {describe(t)}")
-        if t.dim() != 4:
-            raise InputValueError(f"{name} must be 4-D [B, S/P, H, D], got shape {tuple(t.shape)}")
+    # attention's checks, on the slices: q, k and v of one batch, dtype and device pack together
+    _check_qkv(query, key, value, enable_gqa, "bshd")
     rank, world = _group_info(group)
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.shape[2] % world:
@@ -182,13 +188,12 @@ def ulysses_attention(
             sq_hint, sq_from = sk_hint, "attn_mask's last dim (self-attention)"
     sk = _full_length("key", key.shape[1], sk_hint, sk_from, rank, world)
     sq = _full_length("query", query.shape[1], sq_hint, sq_from, rank, world)
-    if value.shape[1] != key.shape[1]:
-        raise InputValueError(f"value must hold as many tokens as key, got key {tuple(key.shape)} "
-                              f"and value {tuple(value.shape)}")
     q_sizes, k_sizes = shard_sizes(sq, world), shard_sizes(sk, world)
-    q = _seq_to_heads(query, q_sizes, rank, world, group)
-    k = _seq_to_heads(key, k_sizes, rank, world, group)
-    v = _seq_to_heads(value, k_sizes, rank, world, group)
+    if sq == sk:  # q, k and v in one exchange (GQA and a different Dv too)
+        q, k, v = _seq_to_heads([query, key, value], q_sizes, world, group)
+    else:  # cross-attention: q's slices are not k's and v's
+        (q,) = _seq_to_heads([query], q_sizes, world, group)
+        k, v = _seq_to_heads([key, value], k_sizes, world, group)
     mask = _local_heads(attn_mask, query.shape[0], query.shape[2], rank, world)
     out = attention(q, k, v, mask, **options)
     return _heads_to_seq(out, q_sizes, rank, world, group)
