@@ -320,7 +320,7 @@ def cp_equality(args, rank, world, device) -> dict:
     return result
 
 
-def cp_phase(args, rank, world, device) -> list[dict]:
+def cp_phase(args, rank, world, device, save) -> list[dict]:
     rows = [cp_equality(args, rank, world, device)] if world > 1 else []
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = hunyuan(args, device, dtype)
@@ -339,6 +339,7 @@ def cp_phase(args, rank, world, device) -> list[dict]:
         for v in variants:
             rows.append({"phase": "cp", "what": f"HunyuanVideo {tokens} tokens", "tokens": tokens, "world": world,
                          "variant": v, **timed[v], "peak_gib_per_rank": peaks[v]})
+        save(rows)
         del inp, steps
     return rows
 
@@ -424,8 +425,13 @@ def dp_trainer(args, rank, world, device, dtype, mode: str, variant: str, batch:
     return step
 
 
-def dp_phase(args, rank, world, device) -> list[dict]:
+def dp_phase(args, rank, world, device, save) -> list[dict]:
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    # The variants' compiled blocks share two code objects in this one process, and diffusers calls
+    # the checkpointed single blocks of stock without a mask (varlen_attn's with it): past dynamo's
+    # default limit of 8 cache entries a block ran compiled in its forward and eager in its
+    # recomputation, and checkpointing refused (CheckpointError, 4 + 8 blocks, 3 variants, H200).
+    torch._dynamo.config.recompile_limit = torch._dynamo.config.accumulated_recompile_limit = 512
     variants = [v for v in args.variants.split(",") if not (v == "torch" and device.type == "cpu")]
     rows = []
     for mode in args.dp_modes.split(","):
@@ -434,6 +440,7 @@ def dp_phase(args, rank, world, device) -> list[dict]:
         for v in variants:
             rows.append({"phase": "dp", "what": f"Chroma LoRA step, {mode}", "mode": mode, "world": world,
                          "variant": v, **timed[v]})
+        save(rows)
         del steps
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -467,22 +474,30 @@ def main():
     args = parse()
     rank, world, device = setup(args.device)
     t0 = time.perf_counter()
-    rows = []
-    for phase in args.phases.split(","):
-        rows += {"cp": cp_phase, "dp": dp_phase}[phase](args, rank, world, device)
-        dist.barrier()
-    if rank == 0:
+    out = pathlib.Path(args.out)
+    done: list[dict] = []
+
+    def save(rows: list[dict]) -> None:
+        """Write what has been measured so far (rank 0): a job that runs out of time keeps it."""
+        if rank != 0:
+            return
         env = {"torch": torch.__version__, "world": world, "device": str(device), "quick": args.quick,
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "backends": va.available_backends(device), "seconds": round(time.perf_counter() - t0, 1), "argv": vars(args)}
-        out = pathlib.Path(args.out)
+               "backends": va.available_backends(device), "seconds": round(time.perf_counter() - t0, 1),
+               "argv": vars(args)}
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"env": env, "rows": rows}, indent=2, default=str))
+        out.write_text(json.dumps({"env": env, "rows": done + rows}, indent=2, default=str))
+
+    for phase in args.phases.split(","):
+        done += {"cp": cp_phase, "dp": dp_phase}[phase](args, rank, world, device, save)
+        dist.barrier()
+    save([])
+    if rank == 0:
         print(report([str(out)]))
-        for r in rows:
+        for r in done:
             if "ms" not in r:
                 print(r)
-        print(f"wrote {out} in {env['seconds']} s")
+        print(f"wrote {out} in {time.perf_counter() - t0:.1f} s")
     dist.destroy_process_group()
 
 
