@@ -1,13 +1,15 @@
 """Multi-GPU benchmark: stock masked SDPA beside varlen_attn, one job per GPU count.
 
-    torchrun --nproc-per-node 4 benchmarks/multi_gpu.py --out benchmarks/results/multi_gpu/h200x4.json
-    torchrun --nproc-per-node 1 benchmarks/multi_gpu.py --out benchmarks/results/multi_gpu/h200x1.json
+    torchrun --nproc-per-node 1 benchmarks/multi_gpu.py --out x1.json     # and 2, 4
+    python benchmarks/multi_gpu.py --report x1.json x2.json x4.json --from-round 2
     torchrun --nproc-per-node 2 benchmarks/multi_gpu.py --quick --device cpu   # smoke run (gloo)
 
-Variants (``--variants``): ``stock`` (masked SDPA, the kernels a stock model runs), ``auto``
-(varlen_attn's default backend: FA4 where installed) and ``torch`` (PyTorch's own varlen kernel,
-no flash-attn). Within a cell the variants take turns, one step each per round (``--rounds``,
-after a warm-up step each), so drift hits them alike; each row is a variant's median step.
+Variants (``--variants``): ``stock`` (masked SDPA with PyTorch's kernel choice; ``--cudnn-sdp off``
+takes cuDNN's attention out of it, as train_step.py does), ``auto`` (varlen_attn's default
+backend: FA4 where installed) and ``torch`` (PyTorch's own varlen kernel, no flash-attn). Within
+a cell the variants take turns, one step each per round (``--rounds``, after two warm-up steps
+each), so drift hits them alike; each row is a variant's median step (``--report --from-round``:
+the median of the later rounds).
 
 (a) ``cp``: Ulysses context parallelism on diffusers' HunyuanVideoTransformer3DModel at its real
     width (24 heads of 128) and reduced depth (``--cp-depth`` double + single blocks), random
@@ -60,6 +62,8 @@ def parse():
     p.add_argument("--dp-depth", default="4,8", help="double,single blocks of Chroma")
     p.add_argument("--dp-modes", default="ddp,fsdp2")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--cudnn-sdp", choices=["default", "off"], default="default",
+                   help="SDPA's cuDNN kernel: PyTorch's default choice, or off as in train_step.py")
     p.add_argument("--cell-seconds", type=float, default=120.0, help="time box of each cell's rounds")
     return p.parse_args()
 
@@ -85,16 +89,18 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def rounds(steps: dict, device, n_rounds: int, budget: float) -> dict:
-    """``steps``: variant -> a training step. A warm-up step each, then rounds in which every
+def rounds(steps: dict, device, n_rounds: int, budget: float, warmup: int = 2) -> dict:
+    """``steps``: variant -> a training step. ``warmup`` steps each (the H200 run's FSDP2 cells
+    recompiled their blocks in the second step), then rounds in which every
     variant runs one step in turn (every other round in reverse order), until ``n_rounds`` or
     ``budget`` seconds (at least one round). Per variant: the median ms, the per-round times,
     the peak memory of its timed steps (GiB, CUDA only), varlen_attn's counters of its last step.
     Every rank runs the same steps: the decision to stop is rank 0's, broadcast. Plans kept by
     varlen_attn are cleared before each step."""
     start = time.perf_counter()
-    for fn in steps.values():
-        fn()
+    for _ in range(warmup):
+        for fn in steps.values():
+            fn()
     sync(device)
     times = {name: [] for name in steps}
     peaks = dict.fromkeys(steps, 0.0)
@@ -449,12 +455,15 @@ def dp_phase(args, rank, world, device, save) -> list[dict]:
 
 # ------------------------------------------------------------------------------------------------
 
-def report(paths: list[str]) -> str:
+def report(paths: list[str], from_round: int = 1) -> str:
     """A markdown table from the JSON of one job per GPU count: per cell and GPU count, each
     variant's ms, its speed-up over stock, and its scaling against one GPU (context parallel:
     t1 / (P * tP), the same sequence split P ways; data parallel: t1 / tP, the same batch per
-    rank)."""
+    rank). ``from_round``: the median of rounds ``from_round`` on (the first timed round of a
+    cell with compiled blocks under FSDP2 recompiled, stock's too, in the H200 run)."""
     rows = [r for p in paths for r in json.loads(pathlib.Path(p).read_text())["rows"] if "ms" in r]
+    for r in rows:
+        r["ms"] = statistics.median(r["rounds_ms"][from_round - 1:])
     one = {(r["what"], r["variant"]): r["ms"] for r in rows if r["world"] == 1}
     stock = {(r["what"], r["world"]): r["ms"] for r in rows if r["variant"] == "stock"}
     lines = ["| workload | GPUs | variant | ms per step | vs stock | scaling vs 1 GPU | peak GiB per GPU |",
@@ -473,6 +482,8 @@ def report(paths: list[str]) -> str:
 def main():
     args = parse()
     rank, world, device = setup(args.device)
+    if args.cudnn_sdp == "off":
+        torch.backends.cuda.enable_cudnn_sdp(False)
     t0 = time.perf_counter()
     out = pathlib.Path(args.out)
     done: list[dict] = []
@@ -483,7 +494,8 @@ def main():
             return
         env = {"torch": torch.__version__, "world": world, "device": str(device), "quick": args.quick,
                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-               "backends": va.available_backends(device), "seconds": round(time.perf_counter() - t0, 1),
+               "backends": va.available_backends(device),
+               "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(), "seconds": round(time.perf_counter() - t0, 1),
                "argv": vars(args)}
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"env": env, "rows": done + rows}, indent=2, default=str))
@@ -504,7 +516,11 @@ def main():
 if __name__ == "__main__":
     import sys
 
-    if sys.argv[1:2] == ["--report"]:
-        print(report(sys.argv[2:]))
+    if sys.argv[1:2] == ["--report"]:  # --report FILE... [--from-round N]: one table from the jobs' JSON
+        ap = argparse.ArgumentParser()
+        ap.add_argument("--report", nargs="+", required=True)
+        ap.add_argument("--from-round", type=int, default=1)
+        a = ap.parse_args()
+        print(report(a.report, a.from_round))
     else:
         main()
