@@ -21,7 +21,8 @@ A cell's process is killed after ``--timeout`` seconds; no round starts once it 
 
 With several GPUs visible (``CUDA_VISIBLE_DEVICES``, or all of them), cells run at once, one per
 GPU, each process with ``CUDA_VISIBLE_DEVICES`` set to its GPU; otherwise one after another.
-``--out DIR`` (default benchmarks/results/headline) receives ``<cell>.json`` per cell (what
+``--out DIR`` (default ``headline_out`` in the working directory; the committed run is in
+benchmarks/results/headline) receives ``<cell>.json`` per cell (what
 train_step.py measured: ms per step, main-thread and other-thread CPU time, host syncs and plan
 builds per step, backends that ran, peak memory), ``headline.json``, ``headline.md`` (the table
 printed at the end) and ``logs/``.
@@ -72,7 +73,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="cells at once (default: one per GPU; CPU 1)")
     ap.add_argument("--train-args", default="",
                     help="more benchmarks/train_step.py arguments for every process, e.g. '--checkpointing off'")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "headline"), help="output folder")
+    ap.add_argument("--out", default="headline_out",
+                    help="output folder (default: headline_out; a run never overwrites the committed results)")
     ap.add_argument("--dry-run", action="store_true", help="print what would run where, run nothing")
     args = ap.parse_args(argv)
     for name in ("rounds", "reps"):

@@ -41,8 +41,8 @@ minus the main thread's: autograd's device thread above all), peak memory (reset
 turn), varlen_attn's plan builds and host syncs per timed step, the backends that ran and any fallback, and the first step's output
 against stock's (same weights, same batch).
 
-cuDNN SDPA is disabled on CUDA for every variant: with torch 2.11 it failed inside these models
-(docs/versions.md). Note: diffusers' Chroma drops ``attention_mask`` from its checkpointed single
+cuDNN SDPA is disabled on CUDA for every variant (``--cudnn-sdp default`` leaves PyTorch's choice):
+with torch 2.11 it failed inside these models (docs/versions.md). Note: diffusers' Chroma drops ``attention_mask`` from its checkpointed single
 blocks, so its stock checkpointed step runs those blocks unmasked; enable_varlen passes the mask
 back (``restore_checkpoint_mask``), so the varlen step computes what the unchecked stock step does.
 """
@@ -105,6 +105,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--checkpointing", choices=("on", "off", "caller"), default="on",
                     help="on: diffusers' own; caller: every block's forward wrapped in torch.utils.checkpoint "
                          "(non-reentrant) by the caller, as OneTrainer does")
+    ap.add_argument("--cudnn-sdp", choices=("off", "default"), default="off",
+                    help="SDPA's cuDNN attention for every variant: off (default; how every published number "
+                         "was taken) or PyTorch's default choice (on H100/H200 masked SDPA then takes it)")
     ap.add_argument("--compile", choices=("none", "blocks", "whole"), default="none",
                     help="blocks: block.compile(fullgraph=True) of every block; whole: torch.compile(model, fullgraph=True)")
     ap.add_argument("--compile-mode", default=None, choices=(None, "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
@@ -554,7 +557,7 @@ def main():
     dev = C.device_of(args)
     gpu = dev.type == "cuda"
     dtype = torch.bfloat16 if gpu else torch.float32
-    if gpu:  # cuDNN SDPA failed inside these models on torch 2.11 (docs/versions.md); off for every variant
+    if gpu and args.cudnn_sdp == "off":  # it failed inside these models on torch 2.11 (docs/versions.md)
         torch.backends.cuda.enable_cudnn_sdp(False)
     warnings.filterwarnings("ignore", message=".*FluxPosEmbed.* is deprecated", category=FutureWarning)
     compiled = args.compile != "none"
@@ -574,6 +577,7 @@ def main():
     depth = (f"{cfg['double']} double + {cfg['single']} single blocks" if args.model == "chroma"
              else f"{cfg['layers']} layers")
     env = C.environment(dev)
+    env["cudnn_sdp"] = torch.backends.cuda.cudnn_sdp_enabled() if gpu else None
     env.update(peft=C._version("peft"), flash_attn_3=C._version("flash_attn_3") or C._version("flash-attn-3"))
     s = batch.shape
     size = f"{nparams / 1e9:.2f} B" if nparams >= 1e8 else f"{nparams / 1e6:.2f} M"
