@@ -44,10 +44,10 @@ import time
 
 import torch
 import torch.distributed as dist
+import train_step
+from _common import sync
 
 import varlen_attn as va
-
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
 
 
 def parse():
@@ -82,11 +82,6 @@ def setup(device: str):
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     return dist.get_rank(), dist.get_world_size(), torch.device("cpu")
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def rounds(steps: dict, device, n_rounds: int, budget: float, warmup: int = 2) -> dict:
@@ -131,16 +126,10 @@ def rounds(steps: dict, device, n_rounds: int, budget: float, warmup: int = 2) -
             for name, t in times.items()}
 
 
-def quiet_diffusers():
-    logging.getLogger("diffusers.models.modeling_utils").setLevel(logging.ERROR)
-
-
 def add_lora(model) -> list[torch.nn.Parameter]:
-    from peft import LoraConfig, inject_adapter_in_model
-
-    inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=LORA_TARGETS), model)
-    for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
+    """train_step.py's LoRA (r=16 on every attention projection, the rest frozen); the trainable
+    parameters."""
+    train_step.add_lora(model, 16)
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -201,7 +190,7 @@ def hunyuan(args, device, dtype):
                    rope_axes_dim=(4, 6, 6))
     else:
         cfg = dict(num_layers=double, num_single_layers=single)
-    quiet_diffusers()
+    logging.getLogger("diffusers.models.modeling_utils").setLevel(logging.ERROR)  # a cast warning
     torch.manual_seed(0)
     with torch.device(device):
         model = HunyuanVideoTransformer3DModel(**cfg)
@@ -354,25 +343,9 @@ def cp_phase(args, rank, world, device, save) -> list[dict]:
 # (b) data parallel: a Chroma LoRA step under DDP and FSDP2
 
 def chroma(args, device, dtype):
-    from diffusers import ChromaTransformer2DModel
-
+    """train_step.py's Chroma (real width on a GPU, its toy widths on the CPU) at ``--dp-depth``."""
     double, single = (int(x) for x in args.dp_depth.split(","))
-    if args.quick:
-        cfg = dict(patch_size=1, in_channels=4, num_layers=double, num_single_layers=single, attention_head_dim=16,
-                   num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(4, 4, 8),
-                   approximator_num_channels=8, approximator_hidden_dim=16, approximator_layers=1)
-    else:
-        cfg = dict(num_layers=double, num_single_layers=single)
-    quiet_diffusers()
-    torch.manual_seed(0)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = ChromaTransformer2DModel(**cfg)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.to(device, dtype)
+    return train_step.build_model(argparse.Namespace(model="chroma", double=double, single=single), device, dtype)[0]
 
 
 class ChromaBatch:

@@ -315,8 +315,6 @@ class _Checkpoint:
         return self.func(block, *args, **kwargs)
 
 
-
-
 def _checkpointing_modules(model) -> list[torch.nn.Module]:
     """The modules that can hold a ``_gradient_checkpointing_func``: diffusers sets one on every
     module with a ``gradient_checkpointing`` attribute (there from ``__init__``)."""
