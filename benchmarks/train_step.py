@@ -97,7 +97,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--model", choices=("chroma", "qwen"), default="chroma")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu",
                     help="cuda (default with a GPU), or cpu: a smoke run with toy widths; its timings mean nothing")
-    ap.add_argument("--px", type=int, choices=(512, 1024), default=1024,
+    ap.add_argument("--px", type=int, choices=(512, 1024, 2048), default=1024,
                     help="image size: (px/16)^2 image tokens (CPU: (px/128)^2)")
     ap.add_argument("--double", type=int, default=None, help="Chroma double blocks (default: 19; CPU 2)")
     ap.add_argument("--single", type=int, default=None, help="Chroma single blocks (default: 38; CPU 2)")
@@ -276,9 +276,15 @@ class Batch:
 
 # ---------------------------------------------------------------------------------------- variants
 
+NO_CUDNN = "/nocudnn"  # a variant name's suffix: its steps run with SDPA's cuDNN attention off
+
+
 class Variant:
     def __init__(self, name: str, model: torch.nn.Module, masked: bool, lr: float):
         self.name, self.model, self.masked = name, model, masked
+        # None: the process's setting (--cudnn-sdp); False: off for this variant's steps (the
+        # kernel A100 and RTX GPUs get for masked SDPA, and what varlen_attn's routing reads).
+        self.cudnn = False if name.endswith(NO_CUDNN) else None
         self.lora = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.lora, lr=lr)
         self.rounds: list[list[float]] = []  # ms per timed step, one list per round's turn
@@ -303,9 +309,15 @@ class Variant:
             # A new iteration for CUDA graphs (mode="reduce-overhead"): the last step's graph
             # outputs may be overwritten. Nothing otherwise.
             torch.compiler.cudagraph_mark_step_begin()
-        out = self.model(**batch.kwargs(mask))[0]
-        loss = F.mse_loss(out.float(), batch.target.float())
-        loss.backward()
+        before = torch.backends.cuda.cudnn_sdp_enabled()
+        if self.cudnn is not None:
+            torch.backends.cuda.enable_cudnn_sdp(self.cudnn)
+        try:
+            out = self.model(**batch.kwargs(mask))[0]
+            loss = F.mse_loss(out.float(), batch.target.float())
+            loss.backward()
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(before)
         if probe:
             self.first = {"output": out.detach().float().clone(), "loss": loss.item(),
                           "lora_with_grad": sum(p.grad is not None for p in self.lora), "lora_tensors": len(self.lora)}
@@ -594,23 +606,25 @@ def main():
     # Variants: own module tree and adapter each (same LoRA init), frozen base weights shared.
     variants = []
     names = args.variants.split(",") if args.variants else ["stock", "nomask", *(f"varlen:{b}" for b in backends)]
-    bad = [n for n in names if n not in ("stock", "nomask") and not (n.startswith("varlen:") and len(n) > 7)]
+    bad = [n for n in names if n.removesuffix(NO_CUDNN) not in ("stock", "nomask")
+           and not (n.startswith("varlen:") and len(n.removesuffix(NO_CUDNN)) > 7)]
     if bad:
-        raise SystemExit(f"--variants: expected stock, nomask or varlen:<backend>, got {bad}")
-    backends = [n.split(":", 1)[1] for n in names if n.startswith("varlen:")]
+        raise SystemExit(f"--variants: expected stock, nomask or varlen:<backend>, each optionally ending "
+                         f"in {NO_CUDNN}, got {bad}")
+    backends = [n.removesuffix(NO_CUDNN).split(":", 1)[1] for n in names if n.startswith("varlen:")]
     for name in names:
         model = sharing_copy(base)
         if args.checkpointing == "caller":  # per copy: a deep copy would keep the original's bound forward
             for block in blocks_of(model):
                 block.forward = CallerCheckpoint(block.forward)
         if name.startswith("varlen:"):
-            enable(model, name.split(":", 1)[1])
+            enable(model, name.removesuffix(NO_CUDNN).split(":", 1)[1])
         if args.compile == "blocks":
             for block in blocks_of(model):
                 block.compile(fullgraph=True, backend=compile_backend, mode=args.compile_mode)
         elif args.compile == "whole":
             model = torch.compile(model, fullgraph=True, backend=compile_backend, mode=args.compile_mode)
-        variants.append(Variant(name, model, masked=name != "nomask", lr=args.lr))
+        variants.append(Variant(name, model, masked=name.removesuffix(NO_CUDNN) != "nomask", lr=args.lr))
     del base
     if gpu:
         torch.cuda.synchronize()
@@ -677,10 +691,12 @@ def main():
                 except Exception as e:  # as --gpu-busy: the column is lost, not the run
                     print(f"  --timeline {v.name}: {type(e).__name__}: {e}")
 
-    stock = next((v for v in variants if v.name == "stock"), None)
+    stocks = {v.name: v for v in variants if v.name.removesuffix(NO_CUDNN) == "stock"}
+    stock = stocks.get("stock")
     results = {}
     for v in variants:
-        r = summary(v, stock)
+        # Against the stock that ran with the same cuDNN setting.
+        r = summary(v, stocks.get("stock" + NO_CUDNN) if v.cudnn is False else stock)
         r["warmup_s"] = getattr(v, "warmup_s", None)
         r["warmup_stats"] = getattr(v, "warmup_stats", None)
         r["gpu_busy"] = busy.get(v.name)

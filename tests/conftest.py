@@ -40,6 +40,8 @@ def _fresh_caches():
 
     varlen_attn.execution._selected.clear()
     varlen_attn.clear_plan_cache()
+    varlen_attn.costs._decide.cache_clear()
     yield
     varlen_attn.execution._selected.clear()
     varlen_attn.clear_plan_cache()
+    varlen_attn.costs._decide.cache_clear()

@@ -20,6 +20,7 @@ _lock = threading.Lock()
 _backends: Counter[str] = Counter()
 _fallbacks: Counter[str] = Counter()
 _counts: Counter[str] = Counter()
+_routes: Counter[str] = Counter()
 
 
 _local = threading.local()
@@ -58,6 +59,17 @@ def record_fallback(reason: str) -> None:
     (logger.warning if first else logger.debug)("varlen_attn fell back to masked SDPA: %s", reason)
 
 
+def record_route(reason: str, backend: str | None = None) -> None:
+    """auto chose a call's route by cost (varlen_attn.costs): ``reason`` names it and why;
+    ``backend``: the call ran there already (stock's SDPA), counted with it in one step."""
+    if _muted():
+        return
+    with _lock:
+        _routes[reason] += 1
+        if backend is not None:
+            _backends[backend] += 1
+
+
 def record_plan_build() -> None:
     with _lock:
         _counts["plan_builds"] += 1
@@ -70,12 +82,14 @@ def record_host_sync() -> None:
 
 def stats() -> dict:
     """Snapshot: ``{"backends": {name: calls}, "fallbacks": {reason: calls},
-    "plan_builds": n, "host_syncs": n}`` since the last
-    :func:`reset_stats`."""
+    "routes": {reason: calls}, "plan_builds": n, "host_syncs": n}`` since the last
+    :func:`reset_stats`. ``routes`` counts the masked calls auto routed by cost, by the route
+    taken and why (:mod:`varlen_attn.costs`)."""
     with _lock:
         return {
             "backends": dict(_backends),
             "fallbacks": dict(_fallbacks),
+            "routes": dict(_routes),
             "plan_builds": _counts["plan_builds"],
             "host_syncs": _counts["host_syncs"],
         }
@@ -86,4 +100,5 @@ def reset_stats() -> None:
     with _lock:
         _backends.clear()
         _fallbacks.clear()
+        _routes.clear()
         _counts.clear()

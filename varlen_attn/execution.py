@@ -20,14 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _stats
+from . import _stats, costs
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, NotPackableError
 from .fused import FusedAttention, packed_backward, packed_forward
 from .kernels import BACKENDS, SDPA, TORCH_SDPA, Backend, VarlenInputs, select
 from .kernels._base import empty_output, inside_compiled_graph, refusals
 from .masks import canonical_mask
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
-from .plan import VarlenPlan
+from .plan import VarlenPlan, read_float01_as_bool
 from .policy import resolve_plan
 
 
@@ -51,6 +51,7 @@ class Route:
     reason: str | None = None
     scale: float = 0.0  # the softmax scale the varlen kernel uses
     fused: bool = False  # one autograd node (impl has its own backward)
+    float01: bool = False  # masked SDPA reads a float 0/1 mask as boolean, on the device
 
 
 def mask4_of(mask: torch.Tensor | None, q, k, convention: str) -> torch.Tensor | None:
@@ -135,7 +136,8 @@ def unpackable(policy, reason: str, mask4: torch.Tensor | None) -> Route:
 def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> torch.Tensor:
     """Run the route ``r`` with autograd; ``[B, Sq, Hq, Dv]``."""
     if r.impl is None:
-        return masked_sdpa(q, k, v, sdpa_mask(plan, mask4), opts, r.reason)
+        mask = read_float01_as_bool(mask4)[0] if r.float01 else sdpa_mask(plan, mask4)
+        return masked_sdpa(q, k, v, mask, opts, r.reason)
     if r.fused:
         out = FusedAttention.apply(q, k, v, plan, r.impl, r.scale, opts.causal)
     elif r.impl.PADDED:
@@ -163,6 +165,12 @@ def plan_and_route(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | Non
     backend to run cannot take is built with its lengths on the host: at once for an explicit
     backend (``split_sdpa`` on a GPU: a fact of the backend), and under auto where no installed
     backend takes it (built again, routed once more)."""
+    decision = cost_decision(q, k, v, mask4, opts, policy) if plan is None else None
+    if decision is not None:
+        _stats.record_route(decision.reason)
+        if decision.stock:
+            return None, Route(None, float01=mask4.is_floating_point() and policy.float_mask == "bool")
+
     def resolved(host=False):
         return resolve_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1], device=q.device,
                             policy=policy, plan=plan, host=host)
@@ -176,6 +184,23 @@ def plan_and_route(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | Non
             raise
         found = resolved(host=True)
         return found, route(q, k, v, found, mask4, opts, policy)
+
+
+def cost_applies(policy, causal: bool, float_mask: bool) -> bool:
+    """auto chooses between stock's masked SDPA and packing for a masked call by cost: not
+    where another backend is named, not for causal calls (stock and packing were measured
+    without), not for a float mask under ``float_mask="error"`` (its check reads the mask)."""
+    return policy.backend == "auto" and not causal and not (float_mask and policy.float_mask == "error")
+
+
+def cost_decision(q, k, v, mask4, opts: Options, policy, order=None) -> costs.Decision | None:
+    """auto's choice for a call of padded ``[B, S, H, D]`` q, k, v and ``mask4``
+    (:func:`varlen_attn.costs.decide`, from the call's signature), or None where it does not
+    choose (no mask, :func:`cost_applies`)."""
+    if mask4 is None or not cost_applies(policy, opts.causal, mask4.is_floating_point()):
+        return None
+    return costs.decide(q.device, q.dtype, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], q.shape[1],
+                        k.shape[1], costs.layout_of(mask4.shape), order)
 
 
 def attend(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | None = None) -> torch.Tensor:

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from . import _stats, costs
 from .functional import sdpa_with_policy
-from .kernels import TORCH_SDPA
+from .kernels import SDPA, TORCH_SDPA
 from .policy import Policy
 
 
@@ -99,10 +100,34 @@ _replaced = [TORCH_SDPA]  # what _sdpa passes calls on to: the function it repla
 
 def _sdpa(*args, **kwargs):
     entry = current()
-    # No mask: the function replaced, untouched and not counted (it already is the fastest path).
-    if entry is None or (kwargs.get("attn_mask") if len(args) < 4 else args[3]) is None:
+    mask = kwargs.get("attn_mask") if len(args) < 4 else args[3]
+    # No mask: the function replaced, untouched and not counted (it already is the fastest path);
+    # likewise a call auto leaves to stock by cost, which stock checks and runs as it is.
+    if entry is None or mask is None or _left_to_stock(entry.policy, args, kwargs, mask):
         return _replaced[0](*args, **kwargs)
     return sdpa_with_policy(*args, **kwargs, policy=entry.policy)
+
+
+def _left_to_stock(policy, args, kwargs, mask) -> bool:
+    """auto routes this eager call to stock's masked SDPA by cost (:mod:`varlen_attn.costs`):
+    decided here, before any check or conversion of ours, so that such a call costs a lookup
+    over stock. Only where the mask reaches SDPA as stock reads it (bool, or float under
+    ``float_mask="bias"``); every other call takes the full path, which decides the same way."""
+    if policy.backend != "auto" or not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling():
+        return False
+    n = len(args)
+    q = args[0] if n > 0 else kwargs.get("query")
+    k = args[1] if n > 1 else kwargs.get("key")
+    v = args[2] if n > 2 else kwargs.get("value")
+    if ((args[5] if n > 5 else kwargs.get("is_causal", False)) is not False
+            or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))
+            or not q.dim() == k.dim() == v.dim() == 4 or (mask.is_floating_point() and policy.float_mask != "bias")):
+        return False
+    found = costs.decide(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
+                         k.shape[2], costs.layout_of(mask.shape))
+    if found.stock:
+        _stats.record_route(found.reason, SDPA)
+    return found.stock
 
 
 _sdpa.__doc__ = TORCH_SDPA.__doc__

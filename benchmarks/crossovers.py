@@ -1,0 +1,213 @@
+"""Measure the cost of each route of one masked attention call on this GPU, and write the table
+``enable_varlen``'s auto routing reads (``varlen_attn/costs.json`` format).
+
+    python benchmarks/crossovers.py --out my_gpu.json            # then VARLEN_ATTN_COSTS=my_gpu.json
+    python benchmarks/crossovers.py --out my_gpu.json --png crossovers.png
+    python benchmarks/crossovers.py --device cpu --out /tmp/x.json   # smoke run: toy sizes
+
+One call is forward + backward, batch 3, 24 heads of 128, bf16, a joint ``[text; image]``
+sequence: 512 text tokens of which 77, 300 and 2 are valid, then N image tokens, all valid; the
+mask as Chroma gives it (outer product ``[B, 1, S, S]``: padded queries attend nothing) and as
+Qwen-Image gives it (key padding ``[B, 1, 1, S]``). Routes: stock masked SDPA with the kernel
+PyTorch picks by default and with cuDNN's attention off (the memory-efficient kernel: what
+A100 and RTX GPUs get), and ``varlen_attn.scaled_dot_product_attention`` with each installed
+backend named (a plan built from the call's own mask every call, as in a model).
+
+A route's cost is its host time plus its GPU time per call, in ms: a training step pays GPU time
+where the GPU is its bottleneck and host time where Python and launches are (512 px steps), so a
+route is taken only where it saves more GPU time than it adds host time. GPU time: CUDA events
+around ``--calls`` calls issued while the GPU first runs a sleep kernel long enough for the host
+to queue them all (the events see the kernels back to back). Host time: the process's CPU time
+(every thread: autograd's backward thread too) spent issuing them. A route that reads the host
+(``host_syncs``) cannot queue ahead: its cost is the wall time per call of back-to-back calls.
+The median over ``--rounds`` rounds, the routes taking turns in each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import _common as C
+import torch
+
+import varlen_attn as va
+
+TEXT, LENGTHS = 512, (77, 300, 2)
+
+
+def inputs(image: int, device, dtype, heads: int, head_dim: int):
+    shape = C.Shape(3, TEXT, image, LENGTHS, heads=heads, head_dim=head_dim)
+    keep = C.joint_keep(shape, device)
+    g = torch.Generator(device=device).manual_seed(0)
+    s = TEXT + image
+    q, k, v = (torch.randn(3, heads, s, head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
+               for _ in range(3))
+    masks = {"outer": keep[:, None, :, None] & keep[:, None, None, :], "key_padding": keep[:, None, None, :]}
+    return q, k, v, masks
+
+
+def routes(device, dtype) -> dict:
+    """label -> fn(q, k, v, mask) -> out, and whether cuDNN's attention stays on for it. Stock
+    is labelled by the kernel it takes (``sdpa:cudnn``, ``sdpa:efficient``, ...), as the
+    router names it (``varlen_attn.costs.stock_kernel``)."""
+    def stock(q, k, v, m):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)
+
+    out = {}
+    for cudnn in (True, False):
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
+        out.setdefault(f"sdpa:{va.costs.stock_kernel(device, dtype)}", (stock, cudnn))
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    for name in C.varlen_backends(device):
+        out[name] = ((lambda n: lambda q, k, v, m: va.scaled_dot_product_attention(q, k, v, m, backend=n))(name),
+                     True)
+    return out
+
+
+def one_round(fn, q, k, v, m, device, calls: int, syncs: bool) -> tuple[float, float]:
+    """``(host ms, gpu ms)`` per call, or ``(wall ms, 0)`` for a route that reads the host."""
+    def call():
+        fn(q, k, v, m).sum().backward()
+
+    C.sync(device)
+    if device.type != "cuda" or syncs:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        C.sync(device)
+        return (time.perf_counter() - t0) / calls * 1e3, 0.0
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(2e6 * 60))  # ~60 ms at ~2 GHz: the host queues every call meanwhile
+    start.record()
+    h0 = time.process_time()
+    for _ in range(calls):
+        call()
+    host = (time.process_time() - h0) / calls * 1e3
+    end.record()
+    torch.cuda.synchronize()
+    return host, start.elapsed_time(end) / calls
+
+
+def measure(images, device, dtype, heads, head_dim, calls, rounds) -> dict:
+    """``{layout: {"tokens": [...], "valid": [...], "routes": {label: {"host": [...], "gpu": [...],
+    "cost": [...]}}}}``."""
+    table = {}
+    labels = routes(device, dtype)
+    for image in images:
+        q, k, v, masks = inputs(image, device, dtype, heads, head_dim)
+        for layout, m in masks.items():
+            entry = table.setdefault(layout, {"tokens": [], "routes": {}})
+            entry["tokens"].append(TEXT + image)
+            samples = {}
+            for label, (fn, cudnn) in labels.items():
+                torch.backends.cuda.enable_cudnn_sdp(cudnn)
+                try:
+                    va.reset_stats()
+                    for _ in range(2):  # warm-up (FA4 compiles a new shape here)
+                        fn(q, k, v, m).sum().backward()
+                    syncs = va.stats()["host_syncs"] > 0
+                    samples[label] = (syncs, [])
+                except Exception as exc:  # reported, not hidden
+                    print(f"  {layout} S={TEXT + image} {label}: {type(exc).__name__}: {str(exc)[:120]}")
+                finally:
+                    torch.backends.cuda.enable_cudnn_sdp(True)
+            for r in range(rounds):
+                order = list(samples) if r % 2 == 0 else list(samples)[::-1]
+                for label in order:
+                    fn, cudnn = labels[label]
+                    torch.backends.cuda.enable_cudnn_sdp(cudnn)
+                    samples[label][1].append(one_round(fn, q, k, v, m, device, calls, samples[label][0]))
+                    torch.backends.cuda.enable_cudnn_sdp(True)
+                    q.grad = k.grad = v.grad = None
+            for label, (syncs, xs) in samples.items():
+                host = statistics.median(x[0] for x in xs)
+                gpu = statistics.median(x[1] for x in xs)
+                row = entry["routes"].setdefault(label, {"host": [], "gpu": [], "cost": [], "syncs": syncs})
+                row["host"].append(round(host, 4))
+                row["gpu"].append(round(gpu, 4))
+                row["cost"].append(round(host + gpu, 4))
+                print(f"  {layout:<11} S={TEXT + image:>6} {label:<14} host {host:8.3f} gpu {gpu:8.3f} "
+                      f"cost {host + gpu:8.3f} ms{'  (reads the host: wall time)' if syncs else ''}", flush=True)
+        del q, k, v, masks
+    return table
+
+
+def crossovers(layout_table: dict) -> dict:
+    """For each varlen route: the fewest tokens per sequence from which it costs less than stock
+    at every measured point, for each stock kernel (None: never in the range measured)."""
+    toks = layout_table["tokens"]
+    out = {}
+    for stock in [r for r in layout_table["routes"] if r.startswith("sdpa:")]:
+        base = layout_table["routes"][stock]["cost"]
+        for label, row in layout_table["routes"].items():
+            if label.startswith("sdpa:"):
+                continue
+            wins = [c < b for c, b in zip(row["cost"], base)]
+            first = next((i for i in range(len(wins)) if all(wins[i:])), None)
+            out.setdefault(stock, {})[label] = None if first is None else toks[first]
+    return out
+
+
+def chart(result: dict, path: str) -> None:
+    plt = C.pyplot(path)
+    if plt is None:
+        return
+    layouts = result["layouts"]
+    fig, axes = plt.subplots(1, len(layouts), figsize=(6.5 * len(layouts), 5))
+    for ax, (layout, t) in zip(axes if len(layouts) > 1 else [axes], layouts.items()):
+        for label, row in t["routes"].items():
+            ax.plot(t["tokens"], row["cost"], marker="o", label=label)
+        for stock, marks in result["crossovers"].get(layout, {}).items():
+            for label, at in marks.items():
+                if at is not None and label in ("flash_attn_4", "torch"):
+                    ax.axvline(at, ls=":", color="grey")
+                    ax.annotate(f"{label} < {stock}", (at, ax.get_ylim()[1] * 0.9), fontsize=7, rotation=90)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("tokens per sequence (S)")
+        ax.set_ylabel("ms per call, forward + backward (host + GPU)")
+        ax.set_title(f"{result['gpu']}: {layout} mask, batch 3")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--images", default="512,1024,2048,4096,8192,16384",
+                    help="image tokens per sequence (plus 512 text tokens)")
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", default=None, help="write the table here (varlen_attn's costs format)")
+    ap.add_argument("--png", default=None)
+    ap.add_argument("--from-json", default=None, help="chart a saved table (no GPU needed)")
+    C.add_device_argument(ap)
+    args = ap.parse_args()
+    if args.from_json:
+        with open(args.from_json) as fh:
+            chart(json.load(fh)["tables"][0], args.png)
+        return
+    device = C.device_of(args)
+    cuda = device.type == "cuda"
+    images = [int(x) for x in args.images.split(",")] if cuda else [16, 48]
+    heads, head_dim = (24, 128) if cuda else (2, 32)
+    env = C.environment(device)
+    layouts = measure(images, device, torch.bfloat16 if cuda else torch.float32, heads, head_dim,
+                      args.calls, args.rounds)
+    result = {"gpu": env["gpu"],
+              "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
+              "dtype": "bfloat16" if cuda else "float32", "environment": env, "batch": 3, "heads": heads, "head_dim": head_dim,
+              "layouts": layouts, "crossovers": {lay: crossovers(t) for lay, t in layouts.items()}}
+    print(json.dumps(result["crossovers"], indent=1))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump({"format": 1, "tables": [result]}, fh, indent=1)
+    if args.png:
+        chart(result, args.png)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""auto's routing by measured cost (varlen_attn.costs): the table's format, the decision as a
+pure function of the call's signature, and what a call routed to stock does (nothing of ours).
+
+On the CPU no packaged table applies, so these tests give the router a table for the CPU whose
+costs put stock first (or packing first) and check both routes."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import varlen_attn as va
+from varlen_attn import costs
+
+CPU = torch.device("cpu")
+
+
+def table(stock_ms, packed_ms, tokens=(16, 256), kernel="split_sdpa", dtype="float64"):
+    routes = {"sdpa:cpu": {"cost": list(stock_ms)}, kernel: {"cost": list(packed_ms)}}
+    lay = {"tokens": list(tokens), "routes": routes}
+    return [{"gpu": "cpu", "capability": None, "dtype": dtype, "layouts": {"key_padding": lay, "outer": lay}}]
+
+
+STOCK_FIRST = table((1.0, 10.0), (2.0, 20.0))
+PACK_FIRST = table((2.0, 20.0), (1.0, 10.0))
+
+
+@pytest.fixture
+def use_table():
+    yield costs.use
+    costs.use(None)
+
+
+def inputs(b=3, h=2, s=20, d=8, lengths=(20, 7, 0), outer=False, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, s, d, generator=g, dtype=dtype, requires_grad=True) for _ in range(3))
+    keep = torch.arange(s)[None] < torch.tensor(lengths)[:, None]
+    mask = keep[:, None, :, None] & keep[:, None, None, :] if outer else keep[:, None, None, :]
+    return q, k, v, mask
+
+
+def test_the_packaged_table_loads_and_names_its_gpu():
+    found = costs.load()
+    assert found and all(t["gpu"] and t["layouts"] for t in found)
+    for t in found:
+        for lay in t["layouts"].values():
+            assert any(r.startswith("sdpa:") for r in lay["routes"])
+
+
+@pytest.mark.parametrize("broken, field", [
+    ({"gpu": 3}, "'gpu'"),
+    ({"dtype": "bf16"}, "'dtype'"),
+    ({"layouts": {"diagonal": {"tokens": [1], "routes": {}}}}, "layout 'diagonal'"),
+    ({"layouts": {"outer": {"tokens": [8, 4], "routes": {}}}}, "layouts.outer.tokens"),
+    ({"layouts": {"outer": {"tokens": [4, 8], "routes": {"torch": {"cost": [1.0]}}}}}, "routes.torch.cost"),
+])
+def test_a_malformed_table_is_refused_naming_the_field(tmp_path, broken, field):
+    t = {**STOCK_FIRST[0], **broken}
+    path = tmp_path / "costs.json"
+    path.write_text(json.dumps({"format": 1, "tables": [t]}))
+    with pytest.raises(va.InputValueError, match=field.replace("(", r"\(").replace(".", r"\.")):
+        costs.load(str(path))
+    path.write_text(json.dumps({"tables": []}))
+    with pytest.raises(va.InputValueError, match="format"):
+        costs.load(str(path))
+
+
+def test_the_environment_variable_points_the_router_at_a_file(tmp_path, monkeypatch, use_table):
+    path = tmp_path / "mine.json"
+    path.write_text(json.dumps({"format": 1, "tables": STOCK_FIRST}))
+    monkeypatch.setenv(costs.ENV_VAR, str(path))
+    use_table(None)
+    assert costs.decide(CPU, torch.float64, 2, 2, 8, 8, 20, 20, "key_padding").stock
+
+
+def test_the_cost_between_measured_points_is_log_log_and_held_at_the_ends():
+    lay = {"tokens": [100, 400], "routes": {"r": {"cost": [1.0, 16.0]}}}
+    assert costs.cost_at(lay, "r", 200) == pytest.approx(4.0)  # cost ~ tokens^2 between the points
+    assert costs.cost_at(lay, "r", 10) == 1.0 and costs.cost_at(lay, "r", 10**6) == 16.0
+    assert costs.cost_at(lay, "missing", 200) is None
+
+
+def test_the_route_is_a_function_of_the_signature(use_table):
+    use_table(table((1.0, 30.0), (2.0, 20.0), tokens=(16, 64)))  # stock below ~40 tokens, packing above
+    first = [costs.decide(CPU, torch.float64, 2, 2, 8, 8, s, s, "key_padding") for s in (20, 60)]
+    for _ in range(50):
+        again = [costs.decide(CPU, torch.float64, 2, 2, 8, 8, s, s, "key_padding") for s in (20, 60)]
+        assert again == first
+    assert first[0].stock and not first[1].stock
+    assert "split_sdpa" in first[1].reason and "sdpa" in first[0].reason
+    # Another dtype's element size has no table here: packing, as before routing by cost.
+    assert not costs.decide(CPU, torch.float32, 2, 2, 8, 8, 20, 20, "key_padding").stock
+
+
+@pytest.mark.parametrize("outer", [False, True])
+def test_a_call_routed_to_stock_builds_no_plan_reads_nothing_and_is_stock(use_table, outer):
+    use_table(STOCK_FIRST)
+    q, k, v, mask = inputs(outer=outer)
+    va.reset_stats()
+    out = va.scaled_dot_product_attention(q, k, v, mask)
+    out.sum().backward()
+    st = va.stats()
+    assert st["plan_builds"] == 0 and st["host_syncs"] == 0
+    assert st["backends"] == {"sdpa": 1} and not st["fallbacks"]
+    assert [r.split(":")[0] for r in st["routes"]] == ["sdpa"]
+    grads = [t.grad for t in (q, k, v)]
+    q2, k2, v2 = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q2, k2, v2, attn_mask=mask)
+    ref.sum().backward()
+    assert torch.equal(out, ref) and all(torch.equal(a, b.grad) for a, b in zip(grads, (q2, k2, v2)))
+
+
+def test_a_call_routed_to_packing_packs_and_says_why(use_table):
+    use_table(PACK_FIRST)
+    q, k, v, mask = inputs()
+    va.reset_stats()
+    out = va.scaled_dot_product_attention(q, k, v, mask)
+    st = va.stats()
+    assert st["backends"] == {"split_sdpa": 1} and st["plan_builds"] == 1
+    assert list(st["routes"]) == [next(iter(st["routes"]))] and next(iter(st["routes"])).startswith("split_sdpa:")
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
+def test_an_explicit_backend_still_packs_where_stock_is_cheaper(use_table):
+    use_table(STOCK_FIRST)
+    q, k, v, mask = inputs()
+    va.reset_stats()
+    va.scaled_dot_product_attention(q, k, v, mask, backend="split_sdpa")
+    st = va.stats()
+    assert st["backends"] == {"split_sdpa": 1} and st["plan_builds"] == 1 and not st["routes"]
+
+
+def test_an_enabled_model_leaves_its_calls_to_stock_untouched(use_table):
+    from _models import QF_B, QF_H, QF_T, QF_W, chroma_inputs, qwen_flux_inputs, qwen_model, step, tiny_chroma
+    from _testing import assert_model_equal
+
+    use_table(STOCK_FIRST)
+    qwen = dict(qwen_flux_inputs(), img_shapes=[(1, QF_H, QF_W)] * QF_B,
+                encoder_hidden_states_mask=torch.arange(QF_T)[None] < torch.tensor([QF_T, 3, 1])[:, None])
+    qwen.pop("pooled_projections")
+    for make, batch in ((qwen_model, qwen), (tiny_chroma, chroma_inputs())):
+        stock, enabled = make(), make()
+        va.enable_varlen(enabled, restore_checkpoint_mask=False)
+        va.reset_stats()
+        got = step(enabled, batch)
+        st = va.stats()
+        assert st["plan_builds"] == 0 and st["host_syncs"] == 0 and set(st["backends"]) == {"sdpa"}, st
+        assert_model_equal(got, step(stock, batch), what=make.__name__)
+
+
+def test_a_float_01_mask_routed_to_stock_is_read_as_boolean_on_the_device(use_table):
+    use_table(STOCK_FIRST)
+    q, k, v, mask = inputs()
+    va.reset_stats()
+    policy = va.policy.Policy("auto", float_mask="bool", model=True)
+    from varlen_attn.functional import sdpa_with_policy
+
+    out = sdpa_with_policy(q, k, v, mask.double(), policy=policy)
+    assert va.stats()["plan_builds"] == 0 and va.stats()["host_syncs"] == 0
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
+
+
+def test_compiled_calls_routed_to_stock_run_stock_in_the_graph(use_table, fresh_dynamo):
+    use_table(STOCK_FIRST)
+    q, k, v, mask = inputs()
+    fn = torch.compile(lambda q, k, v, m: va.scaled_dot_product_attention(q, k, v, m), backend="aot_eager",
+                       fullgraph=True)
+    va.reset_stats()
+    out = fn(q, k, v, mask)
+    assert va.stats()["plan_builds"] == 0 and va.stats()["host_syncs"] == 0
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
+    use_table(PACK_FIRST)
+    torch._dynamo.reset()
+    va.reset_stats()
+    fn(q, k, v, mask)
+    assert va.stats()["backends"] == {"split_sdpa": 1}
+
+
+def test_stock_kernel_follows_pytorchs_rule_off_the_gpu():
+    assert costs.stock_kernel(CPU, torch.bfloat16) == "cpu"
+    assert costs.layout_of((3, 1, 1, 20)) == "key_padding" and costs.layout_of((3, 1, 20, 20)) == "outer"
+    assert costs.layout_of((20,)) == "key_padding"
