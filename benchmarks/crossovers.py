@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -151,28 +152,52 @@ def crossovers(layout_table: dict) -> dict:
     return out
 
 
-def chart(result: dict, path: str) -> None:
+def chart(result: dict, path: str, steps: str | None = None) -> None:
+    """Cost per call against tokens per sequence, a panel per mask layout, FA4's crossovers
+    marked; with ``steps`` (a folder of ``train_step.py --json`` files named ``<model><px>.json``),
+    a third panel: the training step's speed-up against resolution."""
     plt = C.pyplot(path)
     if plt is None:
         return
     layouts = result["layouts"]
-    fig, axes = plt.subplots(1, len(layouts), figsize=(6.5 * len(layouts), 5))
-    for ax, (layout, t) in zip(axes if len(layouts) > 1 else [axes], layouts.items()):
+    fig, axes = plt.subplots(1, len(layouts) + bool(steps), figsize=(6 * (len(layouts) + bool(steps)), 5))
+    for ax, (layout, t) in zip(axes, layouts.items()):
         for label, row in t["routes"].items():
-            ax.plot(t["tokens"], row["cost"], marker="o", label=label)
+            ax.plot(t["tokens"], row["cost"], "-" if label.startswith("sdpa") else "--", marker="o", label=label)
         for stock, marks in result["crossovers"].get(layout, {}).items():
-            for label, at in marks.items():
-                if at is not None and label in ("flash_attn_4", "torch"):
-                    ax.axvline(at, ls=":", color="grey")
-                    ax.annotate(f"{label} < {stock}", (at, ax.get_ylim()[1] * 0.9), fontsize=7, rotation=90)
+            at = marks.get("flash_attn_4")
+            if at:
+                ax.axvline(at, ls=":", color="grey")
+                ax.annotate(f"FA4 cheaper than {stock} from here", (at, t["routes"][stock]["cost"][0]), fontsize=7,
+                            rotation=90)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("tokens per sequence (S)")
+        ax.set_xlabel("tokens per sequence")
         ax.set_ylabel("ms per call, forward + backward (host + GPU)")
-        ax.set_title(f"{result['gpu']}: {layout} mask, batch 3")
+        ax.set_title(f"{result['gpu']}: one call, {layout.replace('_', ' ')} mask, batch {result['batch']}, "
+                     f"{result['heads']}x{result['head_dim']}, {result.get('dtype', '')}")
+        ax.legend(fontsize=7)
+    if steps:
+        ax = axes[-1]
+        for model, marker in (("qwen", "o"), ("chroma", "s")):
+            for suffix, label in (("", "vs stock (PyTorch's default)"), ("/nocudnn", "vs stock, cuDNN off")):
+                pts = []
+                for px in (512, 1024, 2048):
+                    f = os.path.join(steps, f"{model}{px}.json")
+                    r = json.load(open(f))["results"].get("varlen:auto" + suffix) if os.path.exists(f) else None
+                    if r and r.get("stock_over_variant"):
+                        pts.append((px, r["stock_over_variant"]))
+                if pts:
+                    ax.plot(*zip(*pts), marker=marker, label=f"{model}, eager, {label}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks([512, 1024, 2048], ["512", "1024", "2048"])
+        ax.set_xlabel("resolution (px)")
+        ax.set_ylabel("training step, stock / enable_varlen")
+        ax.set_title("full-depth LoRA step (train_step.py)")
         ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
 
 
 def main():
@@ -184,11 +209,13 @@ def main():
     ap.add_argument("--out", default=None, help="write the table here (varlen_attn's costs format)")
     ap.add_argument("--png", default=None)
     ap.add_argument("--from-json", default=None, help="chart a saved table (no GPU needed)")
+    ap.add_argument("--steps", default=None, help="with --png: a folder of train_step.py JSON files "
+                    "(<model><px>.json) for a panel of step speed-up against resolution")
     C.add_device_argument(ap)
     args = ap.parse_args()
     if args.from_json:
         with open(args.from_json) as fh:
-            chart(json.load(fh)["tables"][0], args.png)
+            chart(json.load(fh)["tables"][0], args.png, args.steps)
         return
     device = C.device_of(args)
     cuda = device.type == "cuda"

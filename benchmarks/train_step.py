@@ -41,8 +41,12 @@ minus the main thread's: autograd's device thread above all), peak memory (reset
 turn), varlen_attn's plan builds and host syncs per timed step, the backends that ran and any fallback, and the first step's output
 against stock's (same weights, same batch).
 
-cuDNN SDPA is disabled on CUDA for every variant (``--cudnn-sdp default`` leaves PyTorch's choice):
-with torch 2.11 it failed inside these models (docs/versions.md). Note: diffusers' Chroma drops ``attention_mask`` from its checkpointed single
+Stock is PyTorch's default kernel choice (``--cudnn-sdp default``; on H100/H200 masked SDPA takes
+cuDNN's attention); ``--cudnn-sdp off`` turns cuDNN's attention off for every variant, and a
+variant name ending in ``/nocudnn`` (``stock/nocudnn``, ``varlen:auto/nocudnn``) turns it off
+for that variant's steps only, compared with ``stock/nocudnn``: the memory-efficient kernel
+A100 and RTX GPUs get. cuDNN's attention failed inside diffusers' Chroma in some runs on torch
+2.11 (docs/versions.md). Note: diffusers' Chroma drops ``attention_mask`` from its checkpointed single
 blocks, so its stock checkpointed step runs those blocks unmasked; enable_varlen passes the mask
 back (``restore_checkpoint_mask``), so the varlen step computes what the unchecked stock step does.
 """
@@ -105,7 +109,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--checkpointing", choices=("on", "off", "caller"), default="on",
                     help="on: diffusers' own; caller: every block's forward wrapped in torch.utils.checkpoint "
                          "(non-reentrant) by the caller, as OneTrainer does")
-    ap.add_argument("--cudnn-sdp", choices=("off", "default"), default="off",
+    ap.add_argument("--cudnn-sdp", choices=("off", "default"), default="default",
                     help="SDPA's cuDNN attention for every variant: off (default; how every published number "
                          "was taken) or PyTorch's default choice (on H100/H200 masked SDPA then takes it)")
     ap.add_argument("--compile", choices=("none", "blocks", "whole"), default="none",

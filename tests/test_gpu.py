@@ -19,6 +19,17 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none found)"),
 ]
 
+
+@pytest.fixture(autouse=True)
+def _packing_everywhere():
+    """These tests check the packed path at tiny sizes, where auto's routing by cost would leave
+    the calls to stock on an H100/H200 (varlen_attn.costs): no table, so auto packs them."""
+    from varlen_attn import costs
+
+    costs.use([])
+    yield
+    costs.use(None)
+
 CUDA_BACKENDS = (kernels.PRIORITY["cuda_sm90"] + ("sdpa", "auto"))
 KINDS = ("none", "key_padding", "prefix", "joint_text_first", "joint_image_first", "outer", "cross",
          "segments", "all_masked", "random", "causal", "bias01")
@@ -291,3 +302,30 @@ def test_the_flash_attn_4_check_of_unmeasured_gpus_on_this_gpu(monkeypatch):
             assert fa4.not_supported_reasons(inp) == []
     wrong = fa4._check(kind(torch.bfloat16, 2, 2, 16))
     assert wrong is not None and "dq" in wrong, wrong
+
+
+@pytest.mark.parametrize("tokens", [1536, 8704])
+def test_auto_routes_by_the_packaged_table_on_its_gpu(tokens):
+    """On a GPU the packaged table covers (H100, H200: compute capability 9.0), a masked bf16 call
+    goes where the table says, stock's route runs stock's SDPA exactly and the packed one equals it."""
+    from varlen_attn import costs
+
+    costs.use(None)
+    if costs.table_for(torch.device("cuda"), torch.bfloat16) is None:
+        pytest.skip("no packaged cost table for this GPU")
+    b, h, d = 3, 24, 128
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(b, h, tokens, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
+    keep = torch.arange(tokens, device="cuda")[None] < torch.tensor([tokens, tokens - 200, 600], device="cuda")[:, None]
+    mask = keep[:, None, None, :]
+    decision = costs.decide(q.device, q.dtype, h, h, d, d, tokens, tokens, "key_padding")
+    va.reset_stats()
+    out = va.scaled_dot_product_attention(q, k, v, mask)
+    st = va.stats()
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    if decision.stock:
+        assert st["backends"] == {"sdpa": 1} and st["plan_builds"] == 0 and torch.equal(out, ref)
+    else:
+        assert "sdpa" not in st["backends"] and st["plan_builds"] == 1
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+    assert list(st["routes"]) == [decision.reason]

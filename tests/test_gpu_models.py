@@ -15,6 +15,17 @@ pytestmark = [
 ]
 
 
+@pytest.fixture(autouse=True)
+def _packing_everywhere():
+    """These tests check the packed path at tiny sizes, where auto's routing by cost would leave
+    the calls to stock on an H100/H200 (varlen_attn.costs): no table, so auto packs them."""
+    from varlen_attn import costs
+
+    costs.use([])
+    yield
+    costs.use(None)
+
+
 @pytest.mark.parametrize("lengths", [(5, 2, 0), (7, 7, 7), (1, 3, 6)])
 def test_chroma_bf16_on_gpu_within_stock_error(lengths):
     torch.backends.cuda.enable_cudnn_sdp(False)  # docs/versions.md: cuDNN SDPA failed inside diffusers models
