@@ -45,3 +45,14 @@ def _fresh_caches():
     varlen_attn.execution._selected.clear()
     varlen_attn.clear_plan_cache()
     varlen_attn.costs._decide.cache_clear()
+
+
+@pytest.fixture
+def no_cost_table():
+    """No cost table applies (varlen_attn.costs): auto packs every packable call, as tests of the
+    packed path at tiny sizes need (on an H100/H200 the packaged table would leave them to stock)."""
+    import varlen_attn.costs
+
+    varlen_attn.costs.use([])
+    yield
+    varlen_attn.costs.use(None)

@@ -16,19 +16,9 @@ from varlen_attn import kernels
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("no_cost_table"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none found)"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _packing_everywhere():
-    """These tests check the packed path at tiny sizes, where auto's routing by cost would leave
-    the calls to stock on an H100/H200 (varlen_attn.costs): no table, so auto packs them."""
-    from varlen_attn import costs
-
-    costs.use([])
-    yield
-    costs.use(None)
 
 CUDA_BACKENDS = (kernels.PRIORITY["cuda_sm90"] + ("sdpa", "auto"))
 KINDS = ("none", "key_padding", "prefix", "joint_text_first", "joint_image_first", "outer", "cross",

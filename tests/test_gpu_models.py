@@ -11,19 +11,9 @@ from _testing import (BlocksInARow, Recording, assert_model_close, checkpoint_bl
 
 pytestmark = [
     pytest.mark.gpu,
+    pytest.mark.usefixtures("no_cost_table"),
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none found)"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def _packing_everywhere():
-    """These tests check the packed path at tiny sizes, where auto's routing by cost would leave
-    the calls to stock on an H100/H200 (varlen_attn.costs): no table, so auto packs them."""
-    from varlen_attn import costs
-
-    costs.use([])
-    yield
-    costs.use(None)
 
 
 @pytest.mark.parametrize("lengths", [(5, 2, 0), (7, 7, 7), (1, 3, 6)])

@@ -6,7 +6,7 @@ attention on H100/H200/B200, the memory-efficient kernel on A100 and RTX GPUs or
 off), the mask's layout and the tokens per sequence: on an H200 with cuDNN, stock's masked call
 is faster below a few thousand tokens, packing above (``benchmarks/crossovers.py``).
 
-:func:`stock_is_cheaper` answers for one call from its signature only (device, dtype, heads,
+:func:`decide` answers for one call from its signature only (device, dtype, heads,
 head dims, lengths, mask layout, compiled or not, the kernel stock would take, the kernel
 packing would take), never from the mask's values or from earlier calls, by reading a table of
 measured costs: ``costs.json`` in this package, or the file ``$VARLEN_ATTN_COSTS`` names (the
@@ -145,8 +145,7 @@ def use(path_or_tables: str | list | None) -> None:
 def table_for(device: torch.device, dtype: torch.dtype) -> dict | None:
     """The table measured on this GPU (by name), else on one of its compute capability, in a
     dtype of this element size (float16 takes bfloat16's: the same kernels at the same speed)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    tabs = [t for t in tables() if torch.empty((), dtype=getattr(torch, t["dtype"])).element_size() == size]
+    tabs = [t for t in tables() if getattr(torch, t["dtype"]).itemsize == dtype.itemsize]
     name = _gpu_name(device)
     found = [t for t in tabs if t["gpu"] == name]
     if not found and device.type == "cuda":

@@ -37,7 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _stats, costs, execution
+from . import _stats, execution
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, VarlenAttnError
 from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, in_graph_priority, rows_are_short, select
@@ -376,13 +376,6 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
             f"dropout_p must be 0 under torch.compile (a recomputed backward would draw a "
             f"different dropout mask), got {opts.dropout_p}"
         )
-    # Routing by cost in traced code waits for a way to tell a symbolic length while tracing
-    # (assume_constant_result refused one under dynamic shapes): compiled calls pack.
-    if False and mask is not None and plan is None:  # noqa: SIM223
-        mask4 = execution.mask4_of(mask, q, k, convention)
-        if _stock_by_cost(q, k, v, mask4, opts, policy):
-            float01 = mask4.is_floating_point() and policy.float_mask == "bool"
-            return execution.masked_sdpa(q, k, v, read_float01_as_bool(mask4)[0] if float01 else mask4, opts)
     if q.device.type in CAPTURED_DEVICES and _cuda_graphs_traced():
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
@@ -400,28 +393,6 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
                              bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask,
                              policy.model, training)
     return out
-
-
-def _stock_by_cost(q, k, v, mask4, opts: Options, policy: Policy) -> bool:
-    """auto leaves this traced call to stock's masked SDPA, in the graph
-    (:func:`varlen_attn.execution.cost_decision`; the kernel packing would take is the one the
-    graph would call). Decided while tracing; a length dynamo traces as a symbol (dynamic
-    shapes) is not decided: the call packs, and no guard is added."""
-    dims = (q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], mask4.shape[-2])
-    if any(isinstance(x, torch.SymInt) for x in dims) or not execution.cost_applies(policy, opts.causal,
-                                                                               mask4.is_floating_point()):
-        return False
-    key_padding = policy.in_graph and is_key_padding(mask4)
-    return _traced_decision(q.dtype, q.device.type, q.device.index, *dims, key_padding)
-
-
-@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
-def _traced_decision(dtype, device_type: str, device_index, sq: int, sk: int, hq: int, hk: int, d: int, dv: int,
-                     mask_rows: int, key_padding: bool) -> bool:
-    device = torch.device(device_type, device_index)
-    order = in_graph_priority(device, rows_are_short(sk)) if key_padding else None
-    layout = costs.layout_of((mask_rows, sk))
-    return costs.decide(device, dtype, hq, hk, d, dv, sq, sk, layout, order).stock
 
 
 # --- Under CUDA graphs -------------------------------------------------------------------------
