@@ -40,11 +40,11 @@ def _fresh_caches():
 
     varlen_attn.execution._selected.clear()
     varlen_attn.clear_plan_cache()
-    varlen_attn.costs._decide.cache_clear()
+    varlen_attn.costs.clear()
     yield
     varlen_attn.execution._selected.clear()
     varlen_attn.clear_plan_cache()
-    varlen_attn.costs._decide.cache_clear()
+    varlen_attn.costs.clear()
 
 
 @pytest.fixture

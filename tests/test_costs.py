@@ -5,6 +5,7 @@ On the CPU no packaged table applies, so these tests give the router a table for
 costs put stock first (or packing first) and check both routes."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -74,18 +75,23 @@ def test_the_environment_variable_points_the_router_at_a_file(tmp_path, monkeypa
     assert costs.decide(CPU, torch.float64, 2, 2, 8, 8, 20, 20, "key_padding").stock
 
 
-def test_the_cost_between_measured_points_is_log_log_and_held_at_the_ends():
-    lay = {"tokens": [100, 400], "routes": {"r": {"cost": [1.0, 16.0]}}}
-    assert costs.cost_at(lay, "r", 200) == pytest.approx(4.0)  # cost ~ tokens^2 between the points
-    assert costs.cost_at(lay, "r", 10) == 1.0 and costs.cost_at(lay, "r", 10**6) == 16.0
-    assert costs.cost_at(lay, "missing", 200) is None
+def test_the_crossover_is_where_the_log_log_curves_meet_last():
+    lay = {"tokens": [16, 64, 256], "routes": {"sdpa:cpu": {"cost": [1.0, 30.0, 400.0]},
+                                              "k": {"cost": [2.0, 20.0, 200.0]}, "never": {"cost": [2, 40, 500]},
+                                              "always": {"cost": [0.5, 20, 200]}, "twice": {"cost": [0.5, 40, 200]}}}
+    w = math.log(2) / (math.log(2) - math.log(2 / 3))  # where log(k) - log(stock) crosses 0, 16 -> 64
+    assert costs.crossover_tokens(lay, "k", "sdpa:cpu") == pytest.approx(16 * 4 ** w)
+    assert costs.crossover_tokens(lay, "never", "sdpa:cpu") == math.inf
+    assert costs.crossover_tokens(lay, "always", "sdpa:cpu") == 0.0
+    assert 64 < costs.crossover_tokens(lay, "twice", "sdpa:cpu") < 256  # cheaper at 16 too: the last crossing
+    assert costs.crossover_tokens(lay, "missing", "sdpa:cpu") is None
 
 
 def test_the_route_is_a_function_of_the_signature(use_table):
-    use_table(table((1.0, 30.0), (2.0, 20.0), tokens=(16, 64)))  # stock below ~40 tokens, packing above
-    first = [costs.decide(CPU, torch.float64, 2, 2, 8, 8, s, s, "key_padding") for s in (20, 60)]
+    use_table(table((1.0, 30.0), (2.0, 20.0), tokens=(16, 64)))  # stock below ~38.4 tokens, packing above
+    first = [costs.decide(CPU, torch.float64, 2, 2, 8, 8, s, s, "key_padding") for s in (38, 39)]
     for _ in range(50):
-        again = [costs.decide(CPU, torch.float64, 2, 2, 8, 8, s, s, "key_padding") for s in (20, 60)]
+        again = [costs.decide(CPU, torch.float64, 2, 2, 8, 8, s, s, "key_padding") for s in (38, 39)]
         assert again == first
     assert first[0].stock and not first[1].stock
     assert "split_sdpa" in first[1].reason and "sdpa" in first[0].reason
@@ -161,15 +167,21 @@ def test_a_float_01_mask_routed_to_stock_is_read_as_boolean_on_the_device(use_ta
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
 
 
-def test_compiled_calls_are_routed_in_the_op_at_run_time(use_table, fresh_dynamo):
-    use_table(STOCK_FIRST)
-    q, k, v, mask = inputs()
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_compiled_calls_are_routed_in_the_op_at_run_time(use_table, fresh_dynamo, dynamic):
+    """Compiled code outside an enabled model's in-graph route (tests/test_in_graph.py) calls
+    varlen_attn's custom op, which routes each call at run time on its actual lengths: also
+    where dynamo traced them as symbols, and with no recompilation across lengths."""
+    use_table(table((1.0, 30.0), (2.0, 20.0), tokens=(16, 64)))  # stock below ~38.4 tokens
     fn = torch.compile(lambda q, k, v, m: va.scaled_dot_product_attention(q, k, v, m), backend="aot_eager",
-                       fullgraph=True)
-    va.reset_stats()
-    out = fn(q, k, v, mask)
-    assert va.stats()["backends"] == {"sdpa": 1} and va.stats()["plan_builds"] == 0
-    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
+                       fullgraph=True, dynamic=dynamic)
+    for s, stock in ((20, True), (24, True), (48, False)):
+        q, k, v, mask = inputs(s=s, lengths=(s, 7, 0))
+        va.reset_stats()
+        out = fn(q, k, v, mask)
+        assert va.stats()["backends"] == ({"sdpa": 1} if stock else {"split_sdpa": 1}), (s, dynamic)
+        assert va.stats()["plan_builds"] == (0 if stock else 1)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12)
 
 
 def test_stock_kernel_follows_pytorchs_rule_off_the_gpu():

@@ -396,3 +396,32 @@ def test_key_padding_plan_op_passes_opcheck():
     keep = torch.arange(S)[None] < torch.tensor([5, 0, 1])[:, None]
     torch.library.opcheck(va.op.key_padding_plan_op, (keep, B))
     torch.library.opcheck(va.op.key_padding_plan_op, (keep[:1], B))
+
+
+@pytest.mark.parametrize("stock_cheaper", [True, False])
+def test_auto_routes_a_key_padding_block_by_cost_in_the_graph(monkeypatch, stock_cheaper):
+    """Under auto, the in-graph route is routed by cost while tracing (varlen_attn.costs): where
+    stock's curve is the cheaper at this length, stock's masked SDPA is traced into the graph (no
+    plan op, nothing counted); where packing is, the route stays in the graph. Both equal stock."""
+    from varlen_attn import costs
+
+    monkeypatch.setitem(va.kernels.PRIORITY, "cpu", ("reference",))
+    stock_ms, packed_ms = ((1.0, 10.0), (2.0, 20.0)) if stock_cheaper else ((2.0, 20.0), (1.0, 10.0))
+    lay = {"tokens": [8, 64], "routes": {"sdpa:cpu": {"cost": list(stock_ms)}, "reference": {"cost": list(packed_ms)}}}
+    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+    try:
+        stock = _Model(["keys"])
+        model = va.enable_varlen(_Model(["keys"]))
+        backend = Recording()
+        for block in model.blocks:
+            block.compile(fullgraph=True, backend=backend)
+        mask = _mask((3, 6, 1))
+        va.reset_stats()
+        assert_model_close(_out_and_grads(model, _x(0), mask), _out_and_grads(stock, _x(0), mask), what="step")
+        st = va.stats()
+    finally:
+        costs.use(None)
+    assert st["plan_builds"] == 0 and st["host_syncs"] == 0 and not st["fallbacks"], st
+    (ops,) = backend.graphs
+    assert ran_in_graph(ops) is not stock_cheaper, ops
+    assert any("scaled_dot_product" in o for o in ops) is stock_cheaper, ops

@@ -18,12 +18,13 @@ nobody measured) auto packs every packable call, as it did before routing by cos
 A route's cost is its host time plus its GPU time per call (forward + backward), interpolated
 between the measured token counts (log-log) and held at the ends. The packed route's cost is
 that of the kernel auto's priority order picks (:func:`varlen_attn.kernels.priority`); if the
-table has no curve for it, the call packs.
+table has no curve for it, the call packs. For each kind of call (all but its lengths) that
+makes one crossover (:func:`crossover`): stock below it, packing above; a call compares its
+lengths with it, which compiled code can do on lengths it traces as symbols.
 """
 
 from __future__ import annotations
 
-import bisect
 import functools
 import json
 import math
@@ -139,7 +140,7 @@ def use(path_or_tables: str | list | None) -> None:
     _tables.clear()
     _tables.append(load(path_or_tables) if not isinstance(path_or_tables, list)
                    else [_check_table(t, "given") for t in path_or_tables])
-    _decide.cache_clear()
+    clear()
 
 
 def table_for(device: torch.device, dtype: torch.dtype) -> dict | None:
@@ -154,20 +155,23 @@ def table_for(device: torch.device, dtype: torch.dtype) -> dict | None:
     return found[0] if found else None
 
 
-def cost_at(layout: dict, route: str, tokens: float) -> float | None:
-    """``route``'s ms per call at ``tokens`` (log-log between measured points, held at the ends)."""
-    row = layout["routes"].get(route)
-    if row is None:
+def crossover_tokens(layout: dict, route: str, stock: str) -> float | None:
+    """Tokens per sequence below which ``stock``'s curve costs no more than ``route``'s (log-log
+    between measured points, held at the ends): 0 where ``route`` is cheaper everywhere,
+    ``inf`` where it is never cheaper at the largest point, else the last crossing, where the
+    two curves meet on their way to ``route`` staying cheaper. None where a curve is missing."""
+    rows = layout["routes"]
+    if route not in rows or stock not in rows:
         return None
-    xs, ys = layout["tokens"], row["cost"]
-    i = bisect.bisect_left(xs, tokens)
-    if i == 0:
-        return ys[0]
-    if i == len(xs):
-        return ys[-1]
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
-    return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+    xs = [math.log(x) for x in layout["tokens"]]
+    diff = [math.log(p) - math.log(c) for p, c in zip(rows[route]["cost"], rows[stock]["cost"])]
+    if diff[-1] >= 0:
+        return math.inf
+    last = max((i for i, d in enumerate(diff) if d >= 0), default=None)
+    if last is None:
+        return 0.0
+    w = diff[last] / (diff[last] - diff[last + 1])
+    return math.exp(xs[last] + w * (xs[last + 1] - xs[last]))
 
 
 # ------------------------------------------------------------------------------------ the choice
@@ -184,31 +188,59 @@ def packed_kernel(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int
         return None
 
 
-@functools.lru_cache(maxsize=512)
-def _decide(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int, sq: int, sk: int, layout: str,
-            order: tuple[str, ...] | None, stock: str, epoch: int) -> Decision:
+@dataclass(frozen=True)
+class Crossover:
+    """Where auto leaves calls of one kind to stock: those with fewer than ``tokens`` tokens per
+    sequence (``tokens ** 2`` > Sq x Sk), each with its :class:`Decision`."""
+
+    tokens: float
+    below: Decision
+    above: Decision
+
+
+@functools.lru_cache(maxsize=256)
+def kernel_crossover(device: torch.device, dtype, kernel: str | None, layout: str, stock: str) -> Crossover:
+    """The :class:`Crossover` between stock's SDPA on kernel ``stock`` (:func:`stock_kernel`)
+    and packing on backend ``kernel``, for calls of ``dtype`` and mask ``layout`` on ``device``."""
     table = table_for(device, dtype)
-    kernel = packed_kernel(device, dtype, hq, hk, d, dv, priority(device) if order is None else order)
+    at = None
     if table is None or kernel is None or layout not in table["layouts"]:
-        return Decision(False, f"{kernel}: no cost table for {_gpu_name(device)} ({dtype}, {layout} masks)")
-    lay = table["layouts"][layout]
-    tokens = math.sqrt(sq * sk)  # a call's work grows with Sq * Sk: the square sequence of that work
-    mine, theirs = cost_at(lay, kernel, tokens), cost_at(lay, f"sdpa:{stock}", tokens)
-    if mine is None or theirs is None:
-        missing = kernel if mine is None else f"stock SDPA ({stock})"
-        return Decision(False, f"{kernel}: {table['gpu']}'s cost table has no {missing} for {layout} masks")
-    where = f"{round(tokens)} tokens, {layout} mask, stock on {stock} ({table['gpu']}'s table)"
-    if theirs <= mine:
-        return Decision(True, f"sdpa: cheaper than {kernel} at {where}")
-    return Decision(False, f"{kernel}: cheaper than stock at {where}")
+        why = f"no cost table for {_gpu_name(device)} ({dtype}, {layout} masks)"
+    else:
+        at = crossover_tokens(table["layouts"][layout], kernel, f"sdpa:{stock}")
+        why = (f"{table['gpu']}'s cost table has no curve for {kernel} or stock SDPA ({stock}), {layout} masks"
+               if at is None else None)
+    if at is None:
+        packed = Decision(False, f"{kernel}: {why}")
+        return Crossover(0.0, packed, packed)
+    where = f"{round(at) if math.isfinite(at) else at} tokens ({layout} mask, stock on {stock}, {table['gpu']}'s table)"
+    return Crossover(at, Decision(True, f"sdpa: cheaper than {kernel} below {where}"),
+                     Decision(False, f"{kernel}: cheaper than stock from {where}"))
+
+
+@functools.lru_cache(maxsize=256)
+def crossover(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int, layout: str,
+              order: tuple[str, ...] | None, stock: str, epoch: int) -> Crossover:
+    """:func:`kernel_crossover` for the kernel auto would pack such calls with (first in ``order``
+    that runs them, default :func:`~varlen_attn.kernels.priority`); ``epoch``:
+    :func:`~varlen_attn.kernels._base.refusals` (a kernel's refusal changes which kernel that is)."""
+    kernel = packed_kernel(device, dtype, hq, hk, d, dv, priority(device) if order is None else order)
+    return kernel_crossover(device, dtype, kernel, layout, stock)
+
+
+def clear() -> None:
+    """Forget the crossovers worked out (after the tables or auto's priority changed)."""
+    crossover.cache_clear()
+    kernel_crossover.cache_clear()
 
 
 def decide(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int, sq: int, sk: int, layout: str,
            order: tuple[str, ...] | None = None) -> Decision:
-    """Where auto sends a masked call of this signature (:class:`Decision`); the same signature
-    always gets the same answer (memoised; a kernel's refusal makes the answers be worked out
-    again, as it does auto's kernel choice)."""
-    return _decide(device, dtype, hq, hk, d, dv, sq, sk, layout, order, stock_kernel(device, dtype), refusals())
+    """Where auto sends a masked call of this signature (:class:`Decision`): to stock below its
+    kind's :func:`crossover`, whose length is the square sequence of the call's work,
+    ``sqrt(Sq x Sk)``. The same signature always gets the same answer."""
+    c = crossover(device, dtype, hq, hk, d, dv, layout, order, stock_kernel(device, dtype), refusals())
+    return c.below if sq * sk < c.tokens * c.tokens else c.above
 
 
 def layout_of(mask_shape) -> str:

@@ -28,6 +28,7 @@ recompute the forward under autograd inside the backward op (one extra forward).
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import threading
 import weakref
@@ -36,8 +37,9 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from . import _stats, execution
+from . import _stats, costs, execution
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, VarlenAttnError
 from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, in_graph_priority, rows_are_short, select
@@ -386,6 +388,9 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
             chosen = _traceable_backend(policy.backend, q.dtype, q.device.type, q.device.index, q.shape[2],
                                         k.shape[2], q.shape[-1], v.shape[-1], scale, short)
             if chosen:
+                if policy.backend == "auto" and statically_known_true(
+                        q.shape[1] * k.shape[1] < _cost_bound(q.dtype, q.device.type, q.device.index, chosen)):
+                    return execution.masked_sdpa(q, k, v, mask4, opts)
                 return _in_graph_attention(q, k, v, mask4, chosen, scale)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token,
@@ -620,6 +625,17 @@ def _traceable_backend(backend: str, dtype, device_type: str, device_index, hq: 
     except BackendUnavailableError:
         return ""  # the general route says why, where it matters
     return impl.NAME if impl.TRACEABLE or (impl.NATIVE_BACKWARD and impl.STATIC_PLANS) else ""
+
+
+@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
+def _cost_bound(dtype, device_type: str, device_index, kernel: str) -> int:
+    """Sq x Sk below which auto leaves a key-padding call that would run ``kernel`` in the graph
+    to stock's SDPA in the graph (the crossover squared, :func:`varlen_attn.costs.kernel_crossover`).
+    The caller compares a length dynamo traces as a symbol only where provable (no guard): else
+    the call packs. Other traced calls are routed inside the custom op, at run time."""
+    device = torch.device(device_type, device_index)
+    c = costs.kernel_crossover(device, dtype, kernel, "key_padding", costs.stock_kernel(device, dtype))
+    return min(math.ceil(c.tokens * c.tokens), 1 << 62) if math.isfinite(c.tokens) else 1 << 62
 
 
 @torch._dynamo.assume_constant_result  # a capability (torch's reads its entry points), not traced
