@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -137,19 +138,12 @@ def measure(images, device, dtype, heads, head_dim, calls, rounds) -> dict:
 
 
 def crossovers(layout_table: dict) -> dict:
-    """For each varlen route: the fewest tokens per sequence from which it costs less than stock
-    at every measured point, for each stock kernel (None: never in the range measured)."""
-    toks = layout_table["tokens"]
-    out = {}
-    for stock in [r for r in layout_table["routes"] if r.startswith("sdpa:")]:
-        base = layout_table["routes"][stock]["cost"]
-        for label, row in layout_table["routes"].items():
-            if label.startswith("sdpa:"):
-                continue
-            wins = [c < b for c, b in zip(row["cost"], base)]
-            first = next((i for i in range(len(wins)) if all(wins[i:])), None)
-            out.setdefault(stock, {})[label] = None if first is None else toks[first]
-    return out
+    """For each stock kernel and varlen route: the tokens per sequence from which the route costs
+    less than stock, as auto's router works it out (``varlen_attn.costs.crossover_tokens``;
+    ``inf``: not within the range measured)."""
+    routes = layout_table["routes"]
+    return {stock: {label: va.costs.crossover_tokens(layout_table, label, stock) for label in routes
+                    if not label.startswith("sdpa:")} for stock in routes if stock.startswith("sdpa:")}
 
 
 def chart(result: dict, path: str, steps: str | None = None) -> None:
@@ -166,9 +160,9 @@ def chart(result: dict, path: str, steps: str | None = None) -> None:
             ax.plot(t["tokens"], row["cost"], "-" if label.startswith("sdpa") else "--", marker="o", label=label)
         for stock, marks in result["crossovers"].get(layout, {}).items():
             at = marks.get("flash_attn_4")
-            if at:
+            if at and math.isfinite(at):
                 ax.axvline(at, ls=":", color="grey")
-                ax.annotate(f"FA4 cheaper than {stock} from here", (at, t["routes"][stock]["cost"][0]), fontsize=7,
+                ax.annotate(f"FA4 cheaper than {stock} from {at:.0f}", (at, t["routes"][stock]["cost"][0]), fontsize=7,
                             rotation=90)
         ax.set_xscale("log")
         ax.set_yscale("log")
