@@ -107,7 +107,7 @@ def test_the_exit_code_passes_through_and_diffusers_is_not_imported_before_the_s
     assert p.stdout == "diffusers imported: False\n"
     models, stats = _summary(p.stderr)
     assert models == "no model enabled (the script built no diffusers transformer)", models
-    assert stats == {"backends": {}, "fallbacks": {}, "plan_builds": 0, "host_syncs": 0}
+    assert stats == {"backends": {}, "fallbacks": {}, "routes": {}, "plan_builds": 0, "host_syncs": 0}
 
 
 # -- in this process ---------------------------------------------------------------------------

@@ -42,7 +42,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from . import _stats, costs, execution
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, VarlenAttnError
 from .execution import Options
-from .kernels import BACKENDS, VarlenInputs, in_graph_priority, rows_are_short, select
+from .kernels import BACKENDS, VarlenInputs, in_graph_priority, priority, rows_are_short, select
 from .kernels._base import compiled_graph
 from .pack import gather_rows
 from .plan import (STATIC_PROBLEMS, VarlenPlan, is_key_padding, key_padding_side, plan_of_token,
@@ -378,6 +378,11 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
             f"dropout_p must be 0 under torch.compile (a recomputed backward would draw a "
             f"different dropout mask), got {opts.dropout_p}"
         )
+    if mask is not None and plan is None:
+        mask4 = execution.mask4_of(mask, q, k, convention)
+        if _stock_by_cost(q, k, mask4, opts, policy):
+            float01 = mask4.is_floating_point() and policy.float_mask == "bool"
+            return execution.masked_sdpa(q, k, v, read_float01_as_bool(mask4)[0] if float01 else mask4, opts)
     if q.device.type in CAPTURED_DEVICES and _cuda_graphs_traced():
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
@@ -388,9 +393,6 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
             chosen = _traceable_backend(policy.backend, q.dtype, q.device.type, q.device.index, q.shape[2],
                                         k.shape[2], q.shape[-1], v.shape[-1], scale, short)
             if chosen:
-                if policy.backend == "auto" and statically_known_true(
-                        q.shape[1] * k.shape[1] < _cost_bound(q.dtype, q.device.type, q.device.index, chosen)):
-                    return execution.masked_sdpa(q, k, v, mask4, opts)
                 return _in_graph_attention(q, k, v, mask4, chosen, scale)
     training = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token,
@@ -398,6 +400,31 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
                              bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask,
                              policy.model, training)
     return out
+
+
+def _stock_by_cost(q, k, mask4, opts: Options, policy: Policy) -> bool:
+    """auto leaves this traced call to stock's masked SDPA, traced into the graph in its place:
+    its lengths are known to be below the crossover (:func:`varlen_attn.costs.kernel_crossover`)
+    of the kernel the graph would pack with. A length dynamo traces as a symbol (dynamic shapes)
+    counts as known only where provable: otherwise the call packs, and no guard is added."""
+    if not execution.cost_applies(policy, opts.causal, mask4.is_floating_point()):
+        return False
+    in_graph = policy.in_graph and is_key_padding(mask4)
+    bound = _cost_bound(q.dtype, q.device.type, q.device.index, costs.layout_of(mask4.shape), in_graph,
+                        in_graph and rows_are_short(k.shape[1]))
+    return statically_known_true(q.shape[1] * k.shape[1] < bound)
+
+
+@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
+def _cost_bound(dtype, device_type: str, device_index, layout: str, in_graph: bool, short_rows: bool) -> int:
+    """Sq x Sk below which such a call goes to stock (the crossover squared). The kernel is the
+    one auto would take for head dim 128 (in the graph's order for the in-graph route): heads
+    and head dims are not read, since dynamo may trace them as symbols too."""
+    device = torch.device(device_type, device_index)
+    order = in_graph_priority(device, short_rows) if in_graph else priority(device)
+    kernel = costs.packed_kernel(device, dtype, 1, 1, 128, 128, order)
+    c = costs.kernel_crossover(device, dtype, kernel, layout, costs.stock_kernel(device, dtype))
+    return min(math.ceil(c.tokens * c.tokens), 1 << 62) if math.isfinite(c.tokens) else 1 << 62
 
 
 # --- Under CUDA graphs -------------------------------------------------------------------------
@@ -625,17 +652,6 @@ def _traceable_backend(backend: str, dtype, device_type: str, device_index, hq: 
     except BackendUnavailableError:
         return ""  # the general route says why, where it matters
     return impl.NAME if impl.TRACEABLE or (impl.NATIVE_BACKWARD and impl.STATIC_PLANS) else ""
-
-
-@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
-def _cost_bound(dtype, device_type: str, device_index, kernel: str) -> int:
-    """Sq x Sk below which auto leaves a key-padding call that would run ``kernel`` in the graph
-    to stock's SDPA in the graph (the crossover squared, :func:`varlen_attn.costs.kernel_crossover`).
-    The caller compares a length dynamo traces as a symbol only where provable (no guard): else
-    the call packs. Other traced calls are routed inside the custom op, at run time."""
-    device = torch.device(device_type, device_index)
-    c = costs.kernel_crossover(device, dtype, kernel, "key_padding", costs.stock_kernel(device, dtype))
-    return min(math.ceil(c.tokens * c.tokens), 1 << 62) if math.isfinite(c.tokens) else 1 << 62
 
 
 @torch._dynamo.assume_constant_result  # a capability (torch's reads its entry points), not traced
