@@ -224,6 +224,8 @@ def crossover(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int, la
     """:func:`kernel_crossover` for the kernel auto would pack such calls with (first in ``order``
     that runs them, default :func:`~varlen_attn.kernels.priority`); ``epoch``:
     :func:`~varlen_attn.kernels._base.refusals` (a kernel's refusal changes which kernel that is)."""
+    if table_for(device, dtype) is None:  # no kernel probed where no table could weigh it
+        return kernel_crossover(device, dtype, "packed", layout, stock)
     kernel = packed_kernel(device, dtype, hq, hk, d, dv, priority(device) if order is None else order)
     return kernel_crossover(device, dtype, kernel, layout, stock)
 

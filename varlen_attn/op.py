@@ -409,8 +409,11 @@ def _stock_by_cost(q, k, mask4, opts: Options, policy: Policy) -> bool:
     counts as known only where provable: otherwise the call packs, and no guard is added."""
     if not execution.cost_applies(policy, opts.causal, mask4.is_floating_point()):
         return False
-    in_graph = policy.in_graph and is_key_padding(mask4)
-    bound = _cost_bound(q.dtype, q.device.type, q.device.index, costs.layout_of(mask4.shape), in_graph,
+    # Read without a guard: a mask's row count may be a symbol (an outer product's Sq).
+    one_row = statically_known_true(mask4.shape[2] == 1)
+    in_graph = (policy.in_graph and one_row and mask4.dtype == torch.bool
+                and statically_known_true(mask4.shape[1] == 1))  # is_key_padding, read so
+    bound = _cost_bound(q.dtype, q.device.type, q.device.index, "key_padding" if one_row else "outer", in_graph,
                         in_graph and rows_are_short(k.shape[1]))
     return statically_known_true(q.shape[1] * k.shape[1] < bound)
 
@@ -421,6 +424,8 @@ def _cost_bound(dtype, device_type: str, device_index, layout: str, in_graph: bo
     one auto would take for head dim 128 (in the graph's order for the in-graph route): heads
     and head dims are not read, since dynamo may trace them as symbols too."""
     device = torch.device(device_type, device_index)
+    if costs.table_for(device, dtype) is None:
+        return 0
     order = in_graph_priority(device, short_rows) if in_graph else priority(device)
     kernel = costs.packed_kernel(device, dtype, 1, 1, 128, 128, order)
     c = costs.kernel_crossover(device, dtype, kernel, layout, costs.stock_kernel(device, dtype))
