@@ -121,10 +121,12 @@ def _left_to_stock(policy, args, kwargs, mask) -> bool:
     v = args[2] if n > 2 else kwargs.get("value")
     if ((args[5] if n > 5 else kwargs.get("is_causal", False)) is not False
             or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))
-            or not q.dim() == k.dim() == v.dim() == 4 or (mask.is_floating_point() and policy.float_mask != "bias")):
+            or (mask.is_floating_point() and policy.float_mask != "bias")):
         return False
-    found = costs.decide(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], q.shape[2],
-                         k.shape[2], costs.layout_of(mask.shape))
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if not len(qs) == len(ks) == len(vs) == 4:
+        return False
+    found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], costs.layout_of(mask.shape))
     if found.stock:
         _stats.record_route(found.reason, SDPA)
     return found.stock
