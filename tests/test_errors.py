@@ -129,6 +129,29 @@ def test_enable_varlen_on_a_pipeline_names_the_part_to_pass():
         assert getattr(pipe, part) is None or not hasattr(getattr(pipe, part), "_varlen_state")
 
 
+def test_a_non_module_gets_one_line_naming_its_type_and_pipe_transformer():
+    """VarlenAttnProcessor.wrap on a pipeline, and enable_varlen or wrap on anything else that is
+    not a module (a dict holding the transformer), say in one line what they got (its type, not
+    its repr: a pipeline's config, a module listing) and what to pass."""
+    import _models
+    from diffusers import ChromaPipeline, FlowMatchEulerDiscreteScheduler
+
+    transformer = _models.tiny_chroma()
+    pipe = ChromaPipeline(transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(), vae=None,
+                          text_encoder=None, tokenizer=None)
+    for call, got in ((lambda: va.VarlenAttnProcessor.wrap(pipe), "ChromaPipeline"),
+                      (lambda: va.VarlenAttnProcessor.wrap({"transformer": transformer}), "dict"),
+                      (lambda: va.enable_varlen({"transformer": transformer}), "dict"),
+                      (lambda: va.enable_varlen("model"), "str")):
+        with pytest.raises(va.InputTypeError) as info:
+            call()
+        message = str(info.value)
+        assert message == ("model must be a torch.nn.Module (of a pipeline: pass pipe.transformer), "
+                           f"got {got}"), message
+    assert not hasattr(transformer, "_varlen_state")
+    assert not any(isinstance(p, va.VarlenAttnProcessor) for p in transformer.attn_processors.values())
+
+
 def test_explicit_backend_never_falls_back_silently():
     causal = torch.ones(6, 6, dtype=torch.bool).tril()
     with pytest.raises(va.BackendUnavailableError, match="needs a packable mask"):

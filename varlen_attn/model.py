@@ -20,7 +20,7 @@ import inspect
 
 import torch
 
-from ._errors import InputTypeError, check_bool, describe, warn_once
+from ._errors import InputTypeError, check_bool, warn_once
 from .hook import Entry, current, install, installed, pop_entry_of, push
 from .kernels import requested_backend
 from .policy import Policy
@@ -163,7 +163,8 @@ def enable_varlen(
                     and isinstance(getattr(model, "unet", None), torch.nn.Module) else "transformer")
             raise InputTypeError(f"model must be the {part} (a torch.nn.Module), not a pipeline: "
                                  f"pass pipe.{part}; got {type(model).__name__}")
-        raise InputTypeError(f"model must be a torch.nn.Module, got {describe(model)}")
+        raise InputTypeError(f"model must be a torch.nn.Module (of a pipeline: pass pipe.transformer), "
+                             f"got {type(model).__name__}")
     Policy.of(backend, strict, float_mask)  # validate now, not at the first forward
     check_bool("in_graph", in_graph)
     check_bool("restore_checkpoint_mask", restore_checkpoint_mask)

@@ -143,7 +143,8 @@ class VarlenAttnProcessor:
 
 def _attention_modules(model) -> list:
     if not isinstance(model, torch.nn.Module):
-        raise InputTypeError(f"model must be a torch.nn.Module, got {describe(model)}")
+        raise InputTypeError(f"model must be a torch.nn.Module (of a pipeline: pass pipe.transformer), "
+                             f"got {type(model).__name__}")
     return [(name, m) for name, m in model.named_modules()
             if callable(getattr(m, "set_processor", None)) and callable(getattr(m, "get_processor", None))]
 
