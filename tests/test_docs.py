@@ -2,7 +2,9 @@
 markdown-it-py is not installed, a plain parser checked to read these documents the same way).
 
 * Every relative link resolves to a file of this repository, and an anchor (``#...``) to a
-  heading of the target (GitHub's heading ids). External links are not fetched.
+  heading of the target (GitHub's heading ids). External links are not fetched. A section named
+  in prose after a link or a file (``[api.md](api.md), "Diagnostics"``, ``README, "Install"``,
+  ```benchmarks/NOTES.md`, "Backends"``) is a heading of that file.
 * Every ```python block runs on the CPU, each in a fresh namespace that holds the names the docs
   use for the reader's own objects: ``transformer`` and ``model`` (one tiny diffusers Chroma,
   float32, 4 attention layers, ``tests/_models.py``) and ``batch`` (its inputs: three prompts
@@ -10,7 +12,11 @@ markdown-it-py is not installed, a plain parser checked to read these documents 
   right before a block (invisible on GitHub):
   ``<!-- no-run: REASON -->`` skips a python block; REASON must say it needs a GPU (or GPUs), the
   only reason allowed. ``<!-- output of the block above -->`` before a ```text block makes it
-  the exact standard output of the python block before it.
+  the exact standard output of the python block before it. Each block starts with varlen_attn's
+  plan cache empty, as a new process does, so the plan counts it prints are a reader's.
+* ``<!-- stderr of: COMMAND -->`` before a ```text block: each of its lines is a line of the
+  standard error of ``COMMAND``, run from the repository's root on the CPU (``python`` is this
+  interpreter, ``OUT`` a fresh temporary folder): the summary ``python -m varlen_attn`` prints.
 * Shell blocks (```bash, sh, shell, console) are not run. The python scripts they name under
   this repository's directories exist; every ``-m MODULE`` they name can be found, and
   ``python -m varlen_attn... --help`` exits 0; every extra of ``pip install ...[extras]`` is
@@ -46,6 +52,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 SHELLS = {"bash", "sh", "shell", "console"}
 NO_RUN = re.compile(r"<!--\s*no-run:\s*(.*?)\s*-->", re.S)
 OUTPUT = re.compile(r"<!--\s*output of the block above\s*-->")
+STDERR = re.compile(r"<!--\s*stderr of:\s*(.*?)\s*-->", re.S)
 
 
 def _rel(path: Path) -> str:
@@ -236,6 +243,53 @@ def test_slugs_follow_github():
     assert _slug("Ulysses context parallelism: `va.ulysses_attention`") == "ulysses-context-parallelism-vaulysses_attention"
 
 
+# A section named in prose after a link to a markdown file, after "README", or after a markdown
+# file's path in backticks: [api.md](api.md), "Diagnostics" / README, "Install" /
+# `benchmarks/NOTES.md`, "Backends" (whitespace, line breaks included, read as one space).
+_SECTION_REF = re.compile(
+    r'(?:\[[^\]]*\]\((?P<link>[^)#\s]+\.md)\)|(?P<readme>\bREADME\b)|`(?P<path>[\w./-]+\.md)`)'
+    r'\s*,\s*"(?P<heading>[^"]+)"')
+
+
+def _section_refs(path: Path) -> list[tuple[Path, str, str]]:
+    """``(target file, quoted section name, where)`` of every section the file names in prose."""
+    text = re.sub(r"\s+", " ", path.read_text(encoding="utf-8"))
+    out = []
+    for m in _SECTION_REF.finditer(text):
+        if m["link"]:
+            target = (path.parent / m["link"]).resolve()
+        elif m["readme"]:
+            target = ROOT / "README.md"
+        else:
+            target = ROOT / m["path"]
+        out.append((target, m["heading"], f"{_rel(path)}: {m[0]!r}"))
+    return out
+
+
+@pytest.mark.parametrize("path", DOCS, ids=_rel)
+def test_sections_named_in_prose_exist(path):
+    """Every section the file names in prose after a link or a file (``[design.md](design.md),
+    "Under torch.compile"``, ``README, "Install"``) is a heading of that file: the reference a
+    reader follows by hand resolves as a link does."""
+    bad = []
+    for target, heading, where in _section_refs(path):
+        if not target.is_file():
+            bad.append(f"{where}: no file {target}")
+        elif _slug(_heading_text(heading)) not in _anchors(target):
+            bad.append(f"{where}: no heading {heading!r} in {target.relative_to(ROOT).as_posix()}")
+    assert not bad, "sections named but missing:\n" + "\n".join(bad)
+
+
+def test_section_references_are_found():
+    """The check above reads the forms the docs use, across line breaks, and catches a heading
+    that does not exist."""
+    refs = {(t.name, h) for p in DOCS for t, h, _ in _section_refs(p)}
+    assert ("troubleshooting.md", "Chroma (outer-product masks): host reads per layer") in refs
+    assert ("README.md", "Models and backends") in refs
+    assert ("NOTES.md", "Backends") in refs
+    assert _slug(_heading_text("The `flex` backend")) not in _anchors(ROOT / "README.md")
+
+
 # -- python blocks -------------------------------------------------------------------------------
 
 def _reader_objects() -> dict:
@@ -270,6 +324,7 @@ def test_python_block_runs(block, monkeypatch):
         pytest.skip(f"{block.id}: {reason[1]}")
     monkeypatch.delenv("VARLEN_ATTN_BACKEND", raising=False)
     names = {"__name__": "__doc_block__", **_reader_objects()}
+    va.clear_plan_cache()  # a reader's fresh process: the counts printed include the first plan builds
     va.reset_stats()
     _reset_accelerate()
     stdout = io.StringIO()
@@ -282,6 +337,29 @@ def test_python_block_runs(block, monkeypatch):
     if block.output is not None:
         assert stdout.getvalue().strip() == block.output.strip(), (
             f"{block.id} printed\n{stdout.getvalue()}\nwhere the docs say\n{block.output}")
+
+
+# -- what a command prints ----------------------------------------------------------------------
+
+STDERR_BLOCKS = [b for b in ALL_BLOCKS if b.lang == "text" and STDERR.fullmatch(b.comment)]
+
+
+@pytest.mark.parametrize("block", STDERR_BLOCKS, ids=lambda b: b.id)
+def test_stderr_block_is_what_the_command_prints(block, tmp_path):
+    """Each line of the block is a line the named command writes to standard error (run on the
+    CPU from the repository's root, varlen_attn's environment variables unset)."""
+    command = STDERR.fullmatch(block.comment)[1]
+    args = [sys.executable if a == "python" else str(tmp_path / "out") if a == "OUT" else a
+            for a in shlex.split(command)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("VARLEN_ATTN_")}
+    env.update(PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1",
+               CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{block.id}: {command} exited {proc.returncode}:\n{proc.stderr[-2000:]}"
+    printed = proc.stderr.splitlines()
+    missing = [line for line in block.code.splitlines() if line.strip() and line not in printed]
+    relevant = "\n".join(line for line in printed if line.startswith("varlen_attn"))
+    assert not missing, f"{block.id}: {command} did not print\n" + "\n".join(missing) + f"\nit printed\n{relevant}"
 
 
 # -- shell blocks --------------------------------------------------------------------------------
@@ -384,3 +462,7 @@ def test_doc_blocks_are_found():
     readme = [b for b in ALL_BLOCKS if b.path.name == "README.md"]
     assert any(b.lang == "python" and "enable_varlen(transformer)" in b.code and b.output for b in readme)
     assert any(b.lang in SHELLS and "examples/train_chroma.py" in b.code for b in readme)
+    # the printed counts the docs show are checked: troubleshooting's plan builds, the switch's summary
+    trouble = [b for b in PYTHON_BLOCKS if b.path.name == "troubleshooting.md" and b.output]
+    assert len(trouble) >= 2 and all("plan_builds" in b.output for b in trouble)
+    assert any(b.path.name == "api.md" and "plan_builds" in b.code for b in STDERR_BLOCKS)
