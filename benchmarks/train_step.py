@@ -60,6 +60,7 @@ import gc
 import json
 import logging
 import os
+import pathlib
 import statistics
 import tempfile
 import threading
@@ -130,6 +131,11 @@ def parse_args() -> argparse.Namespace:
                     help="dtype of the padding mask passed to the model (default bool). Chroma's pipeline "
                          "passes float 0/1, which stock SDPA reads as an additive bias (no masking); "
                          "Qwen-Image's passes long, which its forward turns into bool")
+    ap.add_argument("--prompt-lengths", type=lambda v: tuple(int(x) for x in v.split(",")), default=None,
+                    help="comma-separated prompt lengths of the batch's 3 samples (default 77,300,2; CPU 5,12,2); "
+                         "Chroma's mask also keeps each prompt's first padding token, as ChromaPipeline's does")
+    ap.add_argument("--caption-lengths", default=None,
+                    help='JSON file {"t5_tokens": [...]}: each step draws the 3 prompt lengths from it')
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 2; compiled 3)")
@@ -192,10 +198,11 @@ def build_model(args, dev: torch.device, dtype: torch.dtype) -> tuple[torch.nn.M
 
 
 def enable(model: torch.nn.Module, spec: str) -> None:
-    """``enable_varlen`` for a ``--backends`` entry: a backend name, or ``<backend>@general``,
-    whose compiled blocks keep attention in the custom op (``in_graph=False``)."""
-    backend, _, route = spec.partition("@")
-    va.enable_varlen(model, backend=backend, in_graph=route != "general")
+    """``enable_varlen`` for a ``--backends`` entry: a backend name, then any of ``@general``
+    (compiled blocks keep attention in the custom op, ``in_graph=False``) and ``@notrim``
+    (``trim_text=False``: the padded text columns stay in the model)."""
+    backend, *options = spec.split("@")
+    va.enable_varlen(model, backend=backend, in_graph="general" not in options, trim_text="notrim" not in options)
 
 
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -244,7 +251,10 @@ class Batch:
     def __init__(self, args, cfg, dev, dtype):
         gpu = dev.type == "cuda"
         grid = args.px // (16 if gpu else 128)
-        self.shape = C.Shape(3, TEXT_TOKENS[dev.type], grid * grid, PROMPT_LENGTHS[dev.type],
+        lengths = args.prompt_lengths or PROMPT_LENGTHS[dev.type]
+        if args.model == "chroma":  # ChromaPipeline keeps the first padding token of each prompt
+            lengths = tuple(min(n + 1, TEXT_TOKENS[dev.type]) for n in lengths)
+        self.shape = C.Shape(3, TEXT_TOKENS[dev.type], grid * grid, lengths,
                              heads=cfg["heads"], head_dim=cfg["head_dim"])
         self.model_name = args.model
         self.mask_dtype = {"bool": torch.bool, "float": dtype, "long": torch.long}[args.mask_dtype]
@@ -268,10 +278,25 @@ class Batch:
             self.inputs.update(img_shapes=[[(1, grid, grid)]] * b)  # as QwenImagePipeline passes them
             self._keep = C.text_keep(self.shape, dev)  # [B, text]
         self._keep = self._keep.to(self.mask_dtype)
+        # --caption-lengths: a mask per step, its 3 prompt lengths drawn from the file's (the same
+        # sequence for every variant: step i of each variant gets masks[i % 64]).
+        self._masks = []
+        if args.caption_lengths:
+            pool = json.loads(pathlib.Path(args.caption_lengths).read_text())["t5_tokens"]
+            draw = torch.Generator().manual_seed(0)
+            extra = 1 if args.model == "chroma" else 0
+            for _ in range(64):
+                picks = torch.randint(0, len(pool), (b,), generator=draw).tolist()
+                lens = torch.tensor([min(pool[i] + extra, t) for i in picks], device=dev)
+                text = torch.arange(t, device=dev)[None] < lens[:, None]
+                keep = text if args.model != "chroma" else torch.cat(
+                    [text, torch.ones(b, n, dtype=torch.bool, device=dev)], 1)
+                self._masks.append(keep.to(self.mask_dtype))
 
-    def mask(self) -> torch.Tensor:
-        """A new tensor (new storage, new identity), same prompt lengths."""
-        return self._keep.clone()
+    def mask(self, i: int = 0) -> torch.Tensor:
+        """A new tensor (new storage, new identity) for a variant's ``i``-th step: the same prompt
+        lengths every step, or with ``--caption-lengths`` the ``i``-th draw."""
+        return (self._masks[i % len(self._masks)] if self._masks else self._keep).clone()
 
     def kwargs(self, mask: torch.Tensor | None) -> dict:
         name = "attention_mask" if self.model_name == "chroma" else "encoder_hidden_states_mask"
@@ -296,7 +321,9 @@ class Variant:
         self.other_cpu_ms: list[float] = []  # CPU time of the other threads per step (the backward's)
         self.host: list[dict] = []  # per step: what else the host did (HostEvents.delta)
         self.peak_bytes = 0
-        self.stats = {"backends": {}, "fallbacks": {}, "plan_builds": 0, "host_syncs": 0}
+        self.stats = {"backends": {}, "fallbacks": {}, "routes": {}, "plan_builds": 0, "host_syncs": 0,
+                      "text_trims": 0, "trimmed_tokens": 0}
+        self.steps = 0  # steps run (masks drawn), warm-up included
         self.timed_steps = 0
         self.new_graphs = 0
         self.first: dict = {}
@@ -308,7 +335,8 @@ class Variant:
 
     def step(self, batch: Batch, probe: bool = False):
         """One training step with a new mask; with ``probe``, what the first step produced."""
-        mask = batch.mask() if self.masked else None
+        mask = batch.mask(self.steps) if self.masked else None
+        self.steps += 1
         if torch.cuda.is_available():
             # A new iteration for CUDA graphs (mode="reduce-overhead"): the last step's graph
             # outputs may be overwritten. Nothing otherwise.
@@ -329,11 +357,11 @@ class Variant:
         self.opt.zero_grad(set_to_none=True)
 
     def add_stats(self, st: dict) -> None:
-        for key in ("backends", "fallbacks"):
+        for key in ("backends", "fallbacks", "routes"):
             for k, n in st[key].items():
                 self.stats[key][k] = self.stats[key].get(k, 0) + n
-        self.stats["plan_builds"] += st["plan_builds"]
-        self.stats["host_syncs"] += st["host_syncs"]
+        for key in ("plan_builds", "host_syncs", "text_trims", "trimmed_tokens"):
+            self.stats[key] += st[key]
 
 
 def raise_recompile_limits() -> None:

@@ -107,7 +107,8 @@ def test_the_exit_code_passes_through_and_diffusers_is_not_imported_before_the_s
     assert p.stdout == "diffusers imported: False\n"
     models, stats = _summary(p.stderr)
     assert models == "no model enabled (the script built no diffusers transformer)", models
-    assert stats == {"backends": {}, "fallbacks": {}, "routes": {}, "plan_builds": 0, "host_syncs": 0}
+    assert stats == {"backends": {}, "fallbacks": {}, "routes": {}, "plan_builds": 0, "host_syncs": 0,
+                     "text_trims": 0, "trimmed_tokens": 0}
 
 
 # -- in this process ---------------------------------------------------------------------------
@@ -234,19 +235,21 @@ def test_transformers_built_by_from_config_and_constructors_are_enabled_and_noth
 def test_options_come_from_the_command_line_then_the_environment(tmp_path, monkeypatch):
     script = str(_script(tmp_path, ""))
     defaults = {"backend": None, "float_mask": "bool", "strict": False, "restore_checkpoint_mask": True,
-                "in_graph": True}
+                "in_graph": True, "trim_text": True}
     assert launch.parse([script]) == (defaults, script, None, [])
-    for name in ("BACKEND", "FLOAT_MASK", "STRICT", "RESTORE_CHECKPOINT_MASK", "IN_GRAPH"):
+    for name in ("BACKEND", "FLOAT_MASK", "STRICT", "RESTORE_CHECKPOINT_MASK", "IN_GRAPH", "TRIM_TEXT"):
         monkeypatch.delenv(f"VARLEN_ATTN_{name}", raising=False)
     monkeypatch.setenv("VARLEN_ATTN_FLOAT_MASK", "error")
     monkeypatch.setenv("VARLEN_ATTN_STRICT", "yes")
     monkeypatch.setenv("VARLEN_ATTN_IN_GRAPH", "0")
+    monkeypatch.setenv("VARLEN_ATTN_TRIM_TEXT", "off")
     monkeypatch.setenv("VARLEN_ATTN_BACKEND", "sdpa")  # left to enable_varlen, which reads it per forward
-    assert launch.parse([script, "x"])[0] == {**defaults, "float_mask": "error", "strict": True, "in_graph": False}
+    assert launch.parse([script, "x"])[0] == {**defaults, "float_mask": "error", "strict": True, "in_graph": False,
+                                              "trim_text": False}
     options = launch.parse(["--float-mask", "bias", "--no-strict", "--backend=reference", "--in-graph",
-                            "--no-restore-checkpoint-mask", script])[0]
+                            "--no-restore-checkpoint-mask", "--trim-text", script])[0]
     assert options == {"backend": "reference", "float_mask": "bias", "strict": False,
-                       "restore_checkpoint_mask": False, "in_graph": True}
+                       "restore_checkpoint_mask": False, "in_graph": True, "trim_text": True}
 
 
 @pytest.mark.parametrize("argv, env, expected", [

@@ -27,7 +27,7 @@ LAYERS = [
     ["varlen_attn.execution"],
     ["varlen_attn.op"],
     ["varlen_attn.functional"],
-    ["varlen_attn.hook", "varlen_attn.parallel"],
+    ["varlen_attn.hook", "varlen_attn.parallel", "varlen_attn.trim"],
     ["varlen_attn.model", "varlen_attn.processor"],
     ["varlen_attn.launch"],
     ["varlen_attn", "varlen_attn.__main__"],

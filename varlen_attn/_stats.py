@@ -75,6 +75,13 @@ def record_plan_build() -> None:
         _counts["plan_builds"] += 1
 
 
+def record_trim(tokens: int) -> None:
+    """A forward ran with ``tokens`` text tokens (summed over the batch) cut (varlen_attn.trim)."""
+    with _lock:
+        _counts["text_trims"] += 1
+        _counts["trimmed_tokens"] += tokens
+
+
 def record_host_sync() -> None:
     with _lock:
         _counts["host_syncs"] += 1
@@ -82,9 +89,11 @@ def record_host_sync() -> None:
 
 def stats() -> dict:
     """Snapshot: ``{"backends": {name: calls}, "fallbacks": {reason: calls},
-    "routes": {reason: calls}, "plan_builds": n, "host_syncs": n}`` since the last
-    :func:`reset_stats`. ``routes`` counts the masked calls auto routed by cost, by the route
-    taken and why (:mod:`varlen_attn.costs`)."""
+    "routes": {reason: calls}, "plan_builds": n, "host_syncs": n, "text_trims": n,
+    "trimmed_tokens": n}`` since the last :func:`reset_stats`. ``routes`` counts the masked calls
+    auto routed by cost, by the route taken and why (:mod:`varlen_attn.costs`); ``text_trims`` the
+    forwards whose padded text columns were cut, ``trimmed_tokens`` the tokens cut (summed over
+    samples, :mod:`varlen_attn.trim`)."""
     with _lock:
         return {
             "backends": dict(_backends),
@@ -92,6 +101,8 @@ def stats() -> dict:
             "routes": dict(_routes),
             "plan_builds": _counts["plan_builds"],
             "host_syncs": _counts["host_syncs"],
+            "text_trims": _counts["text_trims"],
+            "trimmed_tokens": _counts["trimmed_tokens"],
         }
 
 

@@ -46,9 +46,10 @@ _ENV = {
     "strict": "VARLEN_ATTN_STRICT",
     "restore_checkpoint_mask": "VARLEN_ATTN_RESTORE_CHECKPOINT_MASK",
     "in_graph": "VARLEN_ATTN_IN_GRAPH",
+    "trim_text": "VARLEN_ATTN_TRIM_TEXT",
 }
 _DEFAULTS = {"backend": None, "float_mask": "bool", "strict": False, "restore_checkpoint_mask": True,
-             "in_graph": True}
+             "in_graph": True, "trim_text": True}
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 _BACKEND_NAMES = ["auto", SDPA, *sorted(BACKENDS)]
 
@@ -76,6 +77,7 @@ Each option can also be set by an environment variable (the command line wins), 
   --[no-]strict                VARLEN_ATTN_STRICT                   (1/0, true/false, yes/no, on/off)
   --[no-]restore-checkpoint-mask VARLEN_ATTN_RESTORE_CHECKPOINT_MASK (as above)
   --[no-]in-graph              VARLEN_ATTN_IN_GRAPH                 (as above)
+  --[no-]trim-text             VARLEN_ATTN_TRIM_TEXT                (as above)
 The options mean what enable_varlen's arguments of the same names mean (docs/api.md).
 Without diffusers installed the script still runs, and the summary says that no model could be
 enabled."""
@@ -99,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                         "(Chroma's) the model's mask (default: on)")
     p.add_argument("--in-graph", action=argparse.BooleanOptionalAction, default=None,
                    help="under torch.compile, run key-padding attention inside the compiled graph "
+                        "(default: on)")
+    p.add_argument("--trim-text", action=argparse.BooleanOptionalAction, default=None,
+                   help="cut the trailing text columns every sample masks before the model's forward "
                         "(default: on)")
     p.add_argument("-m", dest="module", metavar="module",
                    help="run a module as __main__ (as python -m does) instead of a script")

@@ -16,14 +16,13 @@ same with and without checkpointing; ``False`` keeps stock's behaviour.
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 
 from ._errors import InputTypeError, check_bool, warn_once
 from .hook import Entry, current, install, installed, pop_entry_of, push
 from .kernels import requested_backend
 from .policy import Policy
+from .trim import param_names, trim_text
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
 
@@ -33,8 +32,9 @@ class _State:
     """What ``enable_varlen`` keeps on the model (``model._varlen_state``) and on each attention
     module (``_varlen_owner``): plain data, so it deep-copies and pickles with the model."""
 
-    def __init__(self, backend, strict, float_mask, restore_checkpoint_mask, in_graph=True):
+    def __init__(self, backend, strict, float_mask, restore_checkpoint_mask, in_graph=True, trim_text=True):
         self.backend = backend
+        self.trim_text = trim_text
         self.strict = strict
         self.float_mask = float_mask
         self.restore_checkpoint_mask = restore_checkpoint_mask
@@ -61,11 +61,16 @@ def _enter_model(model, args, kwargs):
     state = model.__dict__.get("_varlen_state")
     if state is None:
         return None
+    # Traced (the whole model compiled), the kept length would be a host read inside the graph:
+    # the columns stay there (results are the same).
+    trimmed = trim_text(type(model), args, kwargs) if state.trim_text and not torch.compiler.is_compiling() else None
+    if trimmed is not None:
+        args, kwargs = trimmed
     mask = None
     if state.restore_checkpoint_mask:
         mask = kwargs.get("attention_mask")
         if mask is None and args:
-            params = _param_names(type(model)) or ()
+            params = param_names(type(model)) or ()
             if "attention_mask" in params[:len(args)]:
                 mask = args[params.index("attention_mask")]
         _install_checkpointing(state)  # a function set after enabling is wrapped here (also traced)
@@ -74,7 +79,7 @@ def _enter_model(model, args, kwargs):
         if not installed():
             _warn_replaced()
     push(Entry(state.policy(), mask if isinstance(mask, torch.Tensor) else None, model))
-    return None
+    return trimmed
 
 
 def _leave_model(model, args, output):
@@ -127,6 +132,7 @@ def enable_varlen(
     float_mask: str = "bool",
     restore_checkpoint_mask: bool = True,
     in_graph: bool = True,
+    trim_text: bool = True,
 ):
     """Make every masked attention inside ``model`` run packed.
 
@@ -150,6 +156,11 @@ def enable_varlen(
             host read, no Python of ours at run time beyond FA4's kernel op), where the backend's
             kernel traces (``torch``; ``reference`` on the CPU) or has its own entry points (FA4).
             False: varlen_attn's custom op everywhere (one host read per call where a plan needs one).
+        trim_text: before each forward of a model listed in :data:`varlen_attn.trim.TEXT_INPUTS`
+            (Chroma, Qwen-Image, HunyuanVideo, Sana, PixArt), cut the trailing text columns that
+            every sample masks, the kept length rounded up to a multiple of 64 (one host read per
+            forward). Kept tokens' results are unchanged; False keeps the inputs' shapes (CUDA
+            graphs captured at one length).
 
     Returns:
         ``model`` itself; :func:`varlen` is the context-manager form.
@@ -168,10 +179,11 @@ def enable_varlen(
     Policy.of(backend, strict, float_mask)  # validate now, not at the first forward
     check_bool("in_graph", in_graph)
     check_bool("restore_checkpoint_mask", restore_checkpoint_mask)
+    check_bool("trim_text", trim_text)
     if getattr(model, "_varlen_state", None) is not None:
         disable_varlen(model)
     install()
-    state = _State(backend, strict, float_mask, restore_checkpoint_mask, in_graph)
+    state = _State(backend, strict, float_mask, restore_checkpoint_mask, in_graph, trim_text)
     state.policy()  # made now: a whole model compiled would otherwise guard on its absence, and recompile
     for module in model.modules():
         proc = getattr(module, "processor", None)
@@ -335,24 +347,9 @@ def _restore_mask(block, args, kwargs, mask):
     """Append ``mask`` as ``attention_mask`` when ``block`` takes it right after the given
     positional arguments and the caller left it out (diffusers' checkpoint helper passes
     positional arguments only)."""
-    params = _param_names(type(block))
+    params = param_names(type(block))
     if params is None or "attention_mask" in kwargs or "attention_mask" not in params:
         return args
     if params.index("attention_mask") == len(args):
         return (*args, mask)
     return args
-
-
-_PARAM_NAMES: dict[type, tuple[str, ...] | None] = {}
-
-
-@torch._dynamo.assume_constant_result  # traced: called once while tracing, its result a constant
-def _param_names(cls) -> tuple[str, ...] | None:
-    """The names of a module class's forward parameters (without ``self``), once per class."""
-    if cls not in _PARAM_NAMES:
-        try:
-            _PARAM_NAMES[cls] = tuple(list(inspect.signature(cls.forward).parameters)[1:])
-        except (TypeError, ValueError):
-            _PARAM_NAMES[cls] = None
-    return _PARAM_NAMES[cls]
-
