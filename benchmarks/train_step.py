@@ -60,6 +60,7 @@ import gc
 import json
 import logging
 import os
+import sys
 import pathlib
 import statistics
 import tempfile
@@ -667,6 +668,7 @@ def main():
         try:
             t0 = time.perf_counter()
             va.reset_stats()
+            print(f"  warming up {v.name}", file=sys.stderr, flush=True)  # names the variant a crash happens in
             for i in range(warmup):
                 v.step(batch, probe=(i == 0))
             C.sync(dev)

@@ -190,3 +190,29 @@ def test_stock_kernel_follows_pytorchs_rule_off_the_gpu():
     assert costs.stock_kernel(CPU, torch.bfloat16) == "cpu"
     assert costs.layout_of((3, 1, 1, 20)) == "key_padding" and costs.layout_of((3, 1, 20, 20)) == "outer"
     assert costs.layout_of((20,)) == "key_padding"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_length_where_cudnn_fails_on_masks_with_rows_is_never_left_to_it(use_table, monkeypatch, fresh_dynamo,
+                                                                          compiled):
+    """Where stock's kernel is cuDNN's attention, an outer-layout mask at a length of 64 (mod 128)
+    packs even below the crossover (costs.CUDNN_ROWS_FAIL: cuDNN's backward returns a non-finite
+    gradient there); other lengths and key-padding masks still go to stock."""
+    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "cudnn")
+    stock_first = table((1.0, 10.0), (2.0, 20.0), tokens=(16, 256))
+    stock_first[0]["layouts"]["outer"]["routes"]["sdpa:cudnn"] = stock_first[0]["layouts"]["outer"]["routes"].pop("sdpa:cpu")
+    stock_first[0]["layouts"]["key_padding"] = stock_first[0]["layouts"]["outer"]
+    use_table(stock_first)
+    fn = va.scaled_dot_product_attention
+    if compiled:
+        fn = torch.compile(lambda q, k, v, m: va.scaled_dot_product_attention(q, k, v, m), backend="aot_eager",
+                           fullgraph=True, dynamic=False)
+    for s, outer, stock in ((64, True, False), (192, True, False), (60, True, True), (128, True, True),
+                            (64, False, True)):
+        q, k, v, mask = inputs(s=s, lengths=(s, 7, 0), outer=outer)
+        va.reset_stats()
+        out = fn(q, k, v, mask)
+        ran = va.stats()["backends"]
+        assert ran == ({} if compiled else {"sdpa": 1}) if stock else ran == {"split_sdpa": 1}, (s, outer, ran)
+        torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12,
+                                   equal_nan=True)

@@ -413,9 +413,19 @@ def _stock_by_cost(q, k, mask4, opts: Options, policy: Policy) -> bool:
     one_row = statically_known_true(mask4.shape[2] == 1)
     in_graph = (policy.in_graph and one_row and mask4.dtype == torch.bool
                 and statically_known_true(mask4.shape[1] == 1))  # is_key_padding, read so
-    bound = _cost_bound(q.dtype, q.device.type, q.device.index, "key_padding" if one_row else "outer", in_graph,
+    layout = "key_padding" if one_row else "outer"
+    bound = _cost_bound(q.dtype, q.device.type, q.device.index, layout, in_graph,
                         in_graph and rows_are_short(k.shape[1]))
+    if layout == "outer" and _stock_kernel(q.dtype, q.device.type, q.device.index) == "cudnn":
+        m, r = costs.CUDNN_ROWS_FAIL  # stock's kernel fails at such lengths: not provably other ones, pack
+        if not (statically_known_true(q.shape[1] % m != r) and statically_known_true(k.shape[1] % m != r)):
+            return False
     return statically_known_true(q.shape[1] * k.shape[1] < bound)
+
+
+@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
+def _stock_kernel(dtype, device_type: str, device_index) -> str:
+    return costs.stock_kernel(torch.device(device_type, device_index), dtype)
 
 
 @torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
