@@ -193,22 +193,24 @@ def test_stock_kernel_follows_pytorchs_rule_off_the_gpu():
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_a_length_where_cudnn_fails_on_masks_with_rows_is_never_left_to_it(use_table, monkeypatch, fresh_dynamo,
-                                                                          compiled):
-    """Where stock's kernel is cuDNN's attention, an outer-layout mask at a length of 64 (mod 128)
-    packs even below the crossover (costs.CUDNN_ROWS_FAIL: cuDNN's backward returns a non-finite
-    gradient there); other lengths and key-padding masks still go to stock."""
-    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "cudnn")
+def test_a_mask_with_rows_is_never_left_to_cudnn(use_table, monkeypatch, fresh_dynamo, compiled):
+    """Where stock's kernel is cuDNN's attention, an outer-layout mask packs even below the
+    crossover (costs.cudnn_rows_fail: cuDNN fails on such masks); key-padding masks still go to
+    stock there, and outer ones where stock's kernel is another."""
+    kernel = {"name": "cudnn"}
+    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel["name"])
     stock_first = table((1.0, 10.0), (2.0, 20.0), tokens=(16, 256))
     stock_first[0]["layouts"]["outer"]["routes"]["sdpa:cudnn"] = stock_first[0]["layouts"]["outer"]["routes"].pop("sdpa:cpu")
-    stock_first[0]["layouts"]["key_padding"] = stock_first[0]["layouts"]["outer"]
-    use_table(stock_first)
     fn = va.scaled_dot_product_attention
     if compiled:
         fn = torch.compile(lambda q, k, v, m: va.scaled_dot_product_attention(q, k, v, m), backend="aot_eager",
                            fullgraph=True, dynamic=False)
-    for s, outer, stock in ((64, True, False), (192, True, False), (60, True, True), (128, True, True),
-                            (64, False, True)):
+    stock_first[0]["layouts"]["key_padding"] = json.loads(json.dumps(stock_first[0]["layouts"]["outer"]))
+    stock_first[0]["layouts"]["outer"]["routes"]["sdpa:efficient"] = stock_first[0]["layouts"]["outer"]["routes"]["sdpa:cudnn"]
+    use_table(stock_first)
+    for s, outer, name, stock in ((64, True, "cudnn", False), (60, True, "cudnn", False), (64, False, "cudnn", True),
+                                  (56, True, "efficient", True)):
+        kernel["name"] = name
         q, k, v, mask = inputs(s=s, lengths=(s, 7, 0), outer=outer)
         va.reset_stats()
         out = fn(q, k, v, mask)

@@ -236,29 +236,25 @@ def clear() -> None:
     kernel_crossover.cache_clear()
 
 
-# cuDNN's attention (9.19, torch 2.11, H200) returns a non-finite query gradient for a mask with
-# rows ([B, 1, S, S], padded queries attending nothing) at every S = 64 (mod 128) measured (1216,
-# 1344, 1472, 1600, 4416) and at none of the others (1312, 1325, 1360, 1376, 1392, 1408, 1536,
-# 4608): benchmarks/cudnn_crash_probe.py, docs/versions.md. Stock's route is not taken there.
-CUDNN_ROWS_FAIL = (128, 64)  # (modulus, residue) of a length
-
-
-def cudnn_rows_fail(kernel: str, layout: str, sq, sk) -> bool:
-    """Whether stock's masked SDPA would hit cuDNN's failure above (lengths may be symbolic: the
-    comparison is then a symbolic bool)."""
-    m, r = CUDNN_ROWS_FAIL
-    return kernel == "cudnn" and layout == "outer" and (sq % m == r or sk % m == r)
+# cuDNN's attention (9.19, torch 2.11, H200) fails on masks with rows ([B, 1, S, S], padded
+# queries attending nothing): in plain PyTorch its backward returns a non-finite query gradient at
+# every S = 64 (mod 128) measured (1216, 1344, 1472, 1600, 4416; benchmarks/cudnn_crash_probe.py),
+# and full-depth Chroma steps at 1344 and 1408 tokens ended in an illegal memory access where the
+# probe's two calls at 1408 passed (docs/versions.md). Such masks are never left to it.
+def cudnn_rows_fail(kernel: str, layout: str) -> bool:
+    """Whether stock's masked SDPA would take cuDNN's attention with a mask that has rows."""
+    return kernel == "cudnn" and layout == "outer"
 
 
 def decide(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int, sq: int, sk: int, layout: str,
            order: tuple[str, ...] | None = None) -> Decision:
     """Where auto sends a masked call of this signature (:class:`Decision`): to stock below its
     kind's :func:`crossover`, whose length is the square sequence of the call's work,
-    ``sqrt(Sq x Sk)``, unless stock's kernel fails there (:func:`cudnn_rows_fail`). The same
+    ``sqrt(Sq x Sk)``, unless stock's kernel fails on such masks (:func:`cudnn_rows_fail`). The same
     signature always gets the same answer."""
     kernel = stock_kernel(device, dtype)
     c = crossover(device, dtype, hq, hk, d, dv, layout, order, kernel, refusals())
-    if sq * sk < c.tokens * c.tokens and not cudnn_rows_fail(kernel, layout, sq, sk):
+    if sq * sk < c.tokens * c.tokens and not cudnn_rows_fail(kernel, layout):
         return c.below
     return c.above
 

@@ -416,10 +416,8 @@ def _stock_by_cost(q, k, mask4, opts: Options, policy: Policy) -> bool:
     layout = "key_padding" if one_row else "outer"
     bound = _cost_bound(q.dtype, q.device.type, q.device.index, layout, in_graph,
                         in_graph and rows_are_short(k.shape[1]))
-    if layout == "outer" and _stock_kernel(q.dtype, q.device.type, q.device.index) == "cudnn":
-        m, r = costs.CUDNN_ROWS_FAIL  # stock's kernel fails at such lengths: not provably other ones, pack
-        if not (statically_known_true(q.shape[1] % m != r) and statically_known_true(k.shape[1] % m != r)):
-            return False
+    if costs.cudnn_rows_fail(_stock_kernel(q.dtype, q.device.type, q.device.index), layout):
+        return False
     return statically_known_true(q.shape[1] * k.shape[1] < bound)
 
 

@@ -35,10 +35,8 @@ TEXT_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 # Kept lengths are rounded up to a multiple of this: a compiled model sees at most T / BUCKET text
-# lengths (4 for Chroma's 512), and the joint sequence keeps its length modulo 128: cuDNN's
-# attention fails on masks with rows at lengths 64 (mod 128) (varlen_attn.costs.CUDNN_ROWS_FAIL),
-# which a 64-token bucket made of Chroma's 1024 + 512 tokens at 512 px (1344; H200, full depth:
-# an illegal memory access in backward, where untrimmed stock ran).
+# lengths (4 for Chroma's 512), and the joint sequence keeps its length modulo 128, where stock's
+# kernels fail least (varlen_attn.costs.cudnn_rows_fail).
 BUCKET = 128
 
 
