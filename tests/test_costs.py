@@ -216,5 +216,7 @@ def test_a_mask_with_rows_is_never_left_to_cudnn(use_table, monkeypatch, fresh_d
         out = fn(q, k, v, mask)
         ran = va.stats()["backends"]
         assert ran == ({} if compiled else {"sdpa": 1}) if stock else ran == {"split_sdpa": 1}, (s, outer, ran)
+        if not stock:
+            assert list(va.stats()["routes"]) == ["split_sdpa: stock's cuDNN attention fails on masks with rows"]
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12,
                                    equal_nan=True)

@@ -254,9 +254,14 @@ def decide(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int, sq: i
     signature always gets the same answer."""
     kernel = stock_kernel(device, dtype)
     c = crossover(device, dtype, hq, hk, d, dv, layout, order, kernel, refusals())
-    if sq * sk < c.tokens * c.tokens and not cudnn_rows_fail(kernel, layout):
-        return c.below
-    return c.above
+    if cudnn_rows_fail(kernel, layout):
+        return _packed_for_cudnn(c.above)
+    return c.below if sq * sk < c.tokens * c.tokens else c.above
+
+
+@functools.lru_cache(maxsize=None)
+def _packed_for_cudnn(above: Decision) -> Decision:
+    return Decision(False, above.reason.split(":", 1)[0] + ": stock's cuDNN attention fails on masks with rows")
 
 
 def layout_of(mask_shape) -> str:
