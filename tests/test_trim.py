@@ -65,12 +65,27 @@ def sana_pixart(latent):
     return make
 
 
+def ltx_model():
+    torch.manual_seed(0)
+    return diffusers.LTXVideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2, attention_head_dim=8,
+        cross_attention_dim=16, num_layers=1, caption_channels=SP_CAPTION).to(F64)
+
+
+def ltx(keep, g):
+    frames, height, width = 2, 2, 3
+    return -1, {"hidden_states": _randn(g, B, frames * height * width, 4), "encoder_hidden_states": _randn(g, B, T, SP_CAPTION),
+                "timestep": torch.tensor([10, 500, 999]), "encoder_attention_mask": keep.long(),
+                "num_frames": frames, "height": height, "width": width}
+
+
 MODELS = {
     "ChromaTransformer2DModel": (tiny_chroma, chroma),
     "QwenImageTransformer2DModel": (qwen_model, qwen),
     "HunyuanVideoTransformer3DModel": (hunyuan_model, hunyuan),
     "SanaTransformer2DModel": (sana_model, sana_pixart((B, 4, 4, 4))),
     "PixArtTransformer2DModel": (pixart_model, sana_pixart((B, 4, 8, 8))),
+    "LTXVideoTransformer3DModel": (ltx_model, ltx),
 }
 
 

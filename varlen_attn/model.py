@@ -157,7 +157,7 @@ def enable_varlen(
             kernel traces (``torch``; ``reference`` on the CPU) or has its own entry points (FA4).
             False: varlen_attn's custom op everywhere (one host read per call where a plan needs one).
         trim_text: before each forward of a model listed in :data:`varlen_attn.trim.TEXT_INPUTS`
-            (Chroma, Qwen-Image, HunyuanVideo, Sana, PixArt), cut the trailing text columns that
+            (Chroma, Qwen-Image, HunyuanVideo, Sana, PixArt, LTX-Video), cut the trailing text columns that
             every sample masks, the kept length rounded up to a multiple of 128 (one host read per
             forward). Kept tokens' results are unchanged; False keeps the inputs' shapes (CUDA
             graphs captured at one length).

@@ -32,6 +32,7 @@ TEXT_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "HunyuanVideoTransformer3DModel": ("encoder_attention_mask", ("encoder_hidden_states",)),
     "SanaTransformer2DModel": ("encoder_attention_mask", ("encoder_hidden_states",)),
     "PixArtTransformer2DModel": ("encoder_attention_mask", ("encoder_hidden_states",)),
+    "LTXVideoTransformer3DModel": ("encoder_attention_mask", ("encoder_hidden_states",)),
 }
 
 # Kept lengths are rounded up to a multiple of this: a compiled model sees at most T / BUCKET text
