@@ -4,8 +4,10 @@
 diffusers ``processor``): while one of them runs on a thread, the SDPA calls made on that thread
 are varlen_attn's, with the model's policy (:mod:`varlen_attn.hook`). That covers the model's
 forward and, in backward, the recomputation of checkpointed blocks, whose attention modules run
-again. Each call builds its plan from its own mask, so nothing is followed, learned or shared
-between calls, and ``model.forward`` stays the class's own.
+again. Each call's plan comes from its own mask (a plan kept for a shape is reused only for a
+mask equal to its own in value), nothing is followed or learned, and ``model.forward`` stays the
+class's own. With ``trim_text``, the model's pre-hook also cuts padded text columns
+(:mod:`varlen_attn.trim`).
 
 Gradient checkpointing: diffusers' Chroma calls its checkpointed single blocks without
 ``attention_mask``, so stock attends to the padding there. With ``restore_checkpoint_mask=True``
