@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import varlen_attn as va
@@ -144,6 +144,22 @@ def seen_lengths(model, run):
             h.remove()
 
 
+def longer(name, inputs, extra, g):
+    """``inputs`` with ``extra`` more text columns that every sample masks (random values), as
+    ``TEXT_INPUTS`` names them: the untrimmed model on these rounds differently from the
+    untrimmed model on ``inputs`` only by the lengths of its reductions over tokens."""
+    mask_name, text_names = TEXT_INPUTS[name]
+    t = inputs[text_names[0]].shape[-2]
+    out = dict(inputs)
+    mask = inputs[mask_name]
+    out[mask_name] = torch.cat([mask[:, :t], mask.new_zeros(mask.shape[0], extra), mask[:, t:]], 1)
+    for text_name in text_names:
+        x = inputs[text_name]
+        pad = torch.randn(*x.shape[:-2], extra, x.shape[-1], generator=g, dtype=x.dtype)
+        out[text_name] = torch.cat([x, pad], -2)
+    return out
+
+
 def run(model, inputs, **options):
     """``(step result, stats, seen lengths)`` of ``model`` enabled with ``options``."""
     va.enable_varlen(model, **options)
@@ -158,12 +174,23 @@ def run(model, inputs, **options):
 @pytest.mark.parametrize("name", sorted(MODELS))
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(keep=keep_masks(), seed=st.integers(0, 2**16))
+@example(keep=_keep([(1, None), (1, None), (137, None)]), seed=37849)  # CI's: rounding at 2.4e4 ulps
 def test_trimmed_equals_untrimmed(name, keep, seed):
     model = model_of(name)
-    n_image, inputs = MODELS[name][1](keep, torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    n_image, inputs = MODELS[name][1](keep, g)
     full, full_stats, full_seen = run(model, inputs, trim_text=False)
     got, st_, seen = run(model, inputs)
-    assert_model_close(got, full, what=f"{name}, keep {keep.sum(1).tolist()}", equal_nan=True)
+    # Tolerance: the untrimmed model's own change when its padding grows by one masked column
+    # (its sums over tokens round differently with their length and alignment: up to 2.4e4 ulps of
+    # a key-weight gradient in float64, where the same shift reproduces the trimmed run's error
+    # exactly), else assert_model_close's floor. A random scan (30 masks per model) stayed within
+    # 0.38 of this tolerance.
+    if keep.any(1).all():
+        baseline = run(model, longer(name, inputs, 1, g), trim_text=False)[0]
+    else:
+        baseline = None  # nothing is cut (checked below): the results must be the same
+    assert_model_close(got, full, baseline=baseline, what=f"{name}, keep {keep.sum(1).tolist()}", equal_nan=True)
     n = expected_length(keep)
     assert st_["text_trims"] == (n < T) and st_["trimmed_tokens"] == B * (T - n), st_
     assert full_stats["text_trims"] == 0 and (T in full_seen or T + n_image in full_seen), full_seen
