@@ -188,6 +188,17 @@ def packed_kernel(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int
         return None
 
 
+# cuDNN's attention (9.19, torch 2.11, H200) fails on masks with rows ([B, 1, S, S], padded
+# queries attending nothing): in plain PyTorch its backward returns a non-finite query gradient at
+# every S = 64 (mod 128) measured (1216, 1344, 1472, 1600, 4416; benchmarks/cudnn_crash_probe.py),
+# and full-depth Chroma steps at 1344 and 1408 tokens ended in an illegal memory access where the
+# probe's two calls at 1408 passed (docs/versions.md). Such masks are never left to it: their
+# crossover is 0 tokens (kernel_crossover), eagerly and in traced graphs alike.
+def cudnn_rows_fail(kernel: str, layout: str) -> bool:
+    """Whether stock's masked SDPA would take cuDNN's attention with a mask that has rows."""
+    return kernel == "cudnn" and layout == "outer"
+
+
 @dataclass(frozen=True)
 class Crossover:
     """Where auto leaves calls of one kind to stock: those with fewer than ``tokens`` tokens per
@@ -210,6 +221,8 @@ def kernel_crossover(device: torch.device, dtype, kernel: str | None, layout: st
         at = crossover_tokens(table["layouts"][layout], kernel, f"sdpa:{stock}")
         why = (f"{table['gpu']}'s cost table has no curve for {kernel} or stock SDPA ({stock}), {layout} masks"
                if at is None else None)
+    if at is not None and cudnn_rows_fail(stock, layout):
+        at, why = None, "stock's cuDNN attention fails on masks with rows"
     if at is None:
         packed = Decision(False, f"{kernel}: {why}")
         return Crossover(0.0, packed, packed)
@@ -236,32 +249,13 @@ def clear() -> None:
     kernel_crossover.cache_clear()
 
 
-# cuDNN's attention (9.19, torch 2.11, H200) fails on masks with rows ([B, 1, S, S], padded
-# queries attending nothing): in plain PyTorch its backward returns a non-finite query gradient at
-# every S = 64 (mod 128) measured (1216, 1344, 1472, 1600, 4416; benchmarks/cudnn_crash_probe.py),
-# and full-depth Chroma steps at 1344 and 1408 tokens ended in an illegal memory access where the
-# probe's two calls at 1408 passed (docs/versions.md). Such masks are never left to it.
-def cudnn_rows_fail(kernel: str, layout: str) -> bool:
-    """Whether stock's masked SDPA would take cuDNN's attention with a mask that has rows."""
-    return kernel == "cudnn" and layout == "outer"
-
-
 def decide(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int, sq: int, sk: int, layout: str,
            order: tuple[str, ...] | None = None) -> Decision:
     """Where auto sends a masked call of this signature (:class:`Decision`): to stock below its
     kind's :func:`crossover`, whose length is the square sequence of the call's work,
-    ``sqrt(Sq x Sk)``, unless stock's kernel fails on such masks (:func:`cudnn_rows_fail`). The same
-    signature always gets the same answer."""
-    kernel = stock_kernel(device, dtype)
-    c = crossover(device, dtype, hq, hk, d, dv, layout, order, kernel, refusals())
-    if cudnn_rows_fail(kernel, layout):
-        return _packed_for_cudnn(c.above)
+    ``sqrt(Sq x Sk)``. The same signature always gets the same answer."""
+    c = crossover(device, dtype, hq, hk, d, dv, layout, order, stock_kernel(device, dtype), refusals())
     return c.below if sq * sk < c.tokens * c.tokens else c.above
-
-
-@functools.lru_cache(maxsize=None)
-def _packed_for_cudnn(above: Decision) -> Decision:
-    return Decision(False, above.reason.split(":", 1)[0] + ": stock's cuDNN attention fails on masks with rows")
 
 
 def layout_of(mask_shape) -> str:

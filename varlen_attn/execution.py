@@ -169,7 +169,7 @@ def plan_and_route(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | Non
     if decision is not None:
         _stats.record_route(decision.reason)
         if decision.stock:
-            return None, Route(None, float01=mask4.is_floating_point() and policy.float_mask == "bool")
+            return None, stock_route(mask4, policy)
 
     def resolved(host=False):
         return resolve_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1], device=q.device,
@@ -184,6 +184,12 @@ def plan_and_route(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | Non
             raise
         found = resolved(host=True)
         return found, route(q, k, v, found, mask4, opts, policy)
+
+
+def stock_route(mask4, policy) -> Route:
+    """The route of a call auto leaves to stock's masked SDPA: no plan; a float 0/1 mask read as
+    boolean (``float_mask="bool"``) is converted on the device by :func:`run`."""
+    return Route(None, float01=mask4.is_floating_point() and policy.float_mask == "bool")
 
 
 def cost_applies(policy, causal: bool, float_mask: bool) -> bool:

@@ -63,9 +63,10 @@ def _enter_model(model, args, kwargs):
     state = model.__dict__.get("_varlen_state")
     if state is None:
         return None
+    compiling = torch.compiler.is_compiling()
     # Traced (the whole model compiled), the kept length would be a host read inside the graph:
     # the columns stay there (results are the same).
-    trimmed = trim_text(type(model), args, kwargs) if state.trim_text and not torch.compiler.is_compiling() else None
+    trimmed = trim_text(type(model), args, kwargs) if state.trim_text and not compiling else None
     if trimmed is not None:
         args, kwargs = trimmed
     mask = None
@@ -76,7 +77,7 @@ def _enter_model(model, args, kwargs):
             if "attention_mask" in params[:len(args)]:
                 mask = args[params.index("attention_mask")]
         _install_checkpointing(state)  # a function set after enabling is wrapped here (also traced)
-    if not torch.compiler.is_compiling():
+    if not compiling:
         _install_compiled(model, state)  # modules compiled since the last forward get theirs now
         if not installed():
             _warn_replaced()

@@ -381,8 +381,7 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
     if mask is not None and plan is None:
         mask4 = execution.mask4_of(mask, q, k, convention)
         if _stock_by_cost(q, k, mask4, opts, policy):
-            float01 = mask4.is_floating_point() and policy.float_mask == "bool"
-            return execution.masked_sdpa(q, k, v, read_float01_as_bool(mask4)[0] if float01 else mask4, opts)
+            return execution.run(q, k, v, None, mask4, execution.stock_route(mask4, policy), opts)
     if q.device.type in CAPTURED_DEVICES and _cuda_graphs_traced():
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
@@ -416,14 +415,7 @@ def _stock_by_cost(q, k, mask4, opts: Options, policy: Policy) -> bool:
     layout = "key_padding" if one_row else "outer"
     bound = _cost_bound(q.dtype, q.device.type, q.device.index, layout, in_graph,
                         in_graph and rows_are_short(k.shape[1]))
-    if costs.cudnn_rows_fail(_stock_kernel(q.dtype, q.device.type, q.device.index), layout):
-        return False
     return statically_known_true(q.shape[1] * k.shape[1] < bound)
-
-
-@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
-def _stock_kernel(dtype, device_type: str, device_index) -> str:
-    return costs.stock_kernel(torch.device(device_type, device_index), dtype)
 
 
 @torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
