@@ -468,8 +468,10 @@ def gpu_busy(v: Variant, batch: Batch, dev: torch.device) -> dict:
     spans = [(e.time_range.start, e.time_range.end) for e in prof.events()
              if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start]
     busy = C.union_ms(spans)  # kernels on several streams may overlap
+    top = sorted(((e.key, e.self_device_time_total / 1e3, e.count) for e in prof.key_averages()
+                  if e.self_device_time_total > 0), key=lambda x: -x[1])[:12]
     return {"busy_ms": busy / 1e3, "wall_ms": sw.ms, "busy_share": busy / 1e3 / sw.ms if sw.ms else None,
-            "gpu_events": len(spans)}
+            "gpu_events": len(spans), "top_gpu_ms": [(k[:90], round(ms, 2), n) for k, ms, n in top]}
 
 
 def is_oom(e: BaseException) -> bool:

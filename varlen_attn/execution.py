@@ -25,7 +25,7 @@ from ._errors import BackendUnavailableError, InputValueError, KernelRefusedErro
 from .fused import FusedAttention, packed_backward, packed_forward
 from .kernels import BACKENDS, SDPA, TORCH_SDPA, Backend, VarlenInputs, select
 from .kernels._base import empty_output, inside_compiled_graph, refusals
-from .masks import canonical_mask
+from .masks import canonical_mask, outer_factors
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
 from .plan import VarlenPlan, read_float01_as_bool
 from .policy import resolve_plan
@@ -217,6 +217,46 @@ def attend(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | None = None
         return route(q, k, v, plan, mask4, opts, policy)
 
     return rerouted(policy.backend, first, choose, lambda r: run(q, k, v, plan, mask4, r, opts))[1]
+
+
+def factorable(mask4, opts: Options, policy) -> bool:
+    """A call :func:`attend_outer` runs: a boolean mask with rows, the same in every head
+    (``[B|1, 1, Sq, Sk]``, Sq > 1), not causal, for a varlen backend or auto."""
+    return (mask4 is not None and mask4.dtype == torch.bool and mask4.shape[1] == 1 and mask4.shape[2] > 1
+            and not opts.causal and policy.backend != SDPA)
+
+
+def attend_outer(q, k, v, mask4, opts: Options, policy, checks: list | None) -> torch.Tensor:
+    """A :func:`factorable` call as the key-padding call it is when its mask is an outer product
+    (:func:`~varlen_attn.masks.outer_factors`): the keys' mask routed and run as key padding
+    (:func:`attend`: by cost to stock's SDPA, or packed on a plan built on the device), the rows
+    then multiplied by the queries' mask. Whether the mask is that product is a device flag:
+
+    * ``checks`` (a list: an enabled model's forward, :mod:`varlen_attn.model`): the flag is
+      appended, to be read once when the forward ends, which redoes a failed forward exactly;
+    * in backward (a checkpoint's recomputation, after its forward passed): not read; a failed
+      flag makes the rows NaN, never a silently wrong gradient;
+    * otherwise read now (one host read): a mask that is no outer product takes :func:`attend`.
+
+    Where the flag is not read, a failed one makes every row NaN (``checks``: until the redo).
+    auto first weighs the call as it is (an outer mask): one it leaves to stock's SDPA is read
+    and changed by nothing."""
+    decision = cost_decision(q, k, v, mask4, opts, policy)
+    if decision is not None and decision.stock:
+        _stats.record_route(decision.reason)
+        return run(q, k, v, None, mask4, stock_route(mask4, policy), opts)
+    keep_q, keep_k, bad = outer_factors(mask4)
+    scale = keep_q.to(q.dtype)
+    if checks is not None or torch._C._current_autograd_node() is not None:
+        if checks is not None:
+            checks.append(bad)
+        scale.masked_fill_(bad, float("nan"))
+    else:
+        _stats.record_host_sync()
+        if bad.item():
+            return attend(q, k, v, mask4, opts, policy)
+    out = attend(q, k, v, keep_k[:, None, None, :], opts, policy)
+    return out * scale[:, :, None, None]
 
 
 def rerouted(backend: str, first, choose, call):

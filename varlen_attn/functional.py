@@ -164,8 +164,10 @@ def _float01_read(mask4, policy: Policy):
 
 
 def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
-             policy: Policy) -> torch.Tensor:
-    """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced."""
+             policy: Policy, checks: list | None = None) -> torch.Tensor:
+    """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced.
+    ``checks``: where an enabled model's forward collects its device checks
+    (:func:`varlen_attn.execution.attend_outer`)."""
     mask4 = execution.mask4_of(mask, q, k, convention)  # a view; also validates the mask's shape
     if (q.is_meta or q.numel() == 0 or k.numel() == 0 or (opts.scale is not None and not math.isfinite(opts.scale))
             or opts.dropout_p == 1.0):
@@ -187,6 +189,8 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
     if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
         r = execution.unpackable(policy, TRANSFORM_REASON, mask4)
         return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)
+    if plan is None and execution.factorable(mask4, opts, policy):
+        return execution.attend_outer(q, k, v, mask4, opts, policy, checks)
     return execution.attend(q, k, v, mask4, opts, policy, plan)
 
 
@@ -230,13 +234,14 @@ _NO_DROPOUT = object()  # sdpa_with_policy's default dropout_p (0.0); not a floa
 
 
 def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, is_causal=False, scale=None,
-                     enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None) -> torch.Tensor:
+                     enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None,
+                     checks: list | None = None) -> torch.Tensor:
     """:func:`scaled_dot_product_attention` with a ready :class:`~varlen_attn.policy.Policy`
     (what ``enable_varlen``'s SDPA calls, varlen_attn.hook). ``dropout_p``'s
     default stands for 0.0 and is no float: a float default read in traced code is an input of
     the graph when dynamo traces with ``dynamic=True``, and one read in a checkpointed body, then
     in a second, stopped dynamo ("lift_tracked_freevar_to_input should not be called on root
-    SubgraphTracer"). An explicit None is refused, as SDPA refuses it."""
+    SubgraphTracer"). An explicit None is refused, as SDPA refuses it. ``checks``: :func:`dispatch`."""
     if dropout_p is _NO_DROPOUT:
         dropout_p = 0.0
     dropout_p, scale, is_causal, enable_gqa = _check_options(dropout_p, scale, is_causal, enable_gqa)
@@ -274,7 +279,7 @@ def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, i
         out = execution.masked_sdpa(q, k, v, tri, Options(scale, False, dropout_p, enable_gqa))
         return out.transpose(1, 2)
     out = dispatch(q, k, v, attn_mask, convention="torch", plan=plan,
-                   opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=policy)
+                   opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=policy, checks=checks)
     return out.transpose(1, 2)
 
 

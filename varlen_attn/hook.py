@@ -47,11 +47,14 @@ class Entry:
     for a model's forward the mask handed back to checkpointed blocks that diffusers calls
     without it (``model._Checkpoint``), and the module that pushed it (its hook that always runs
     after the forward takes off its own entry only, also where an earlier pre-hook raised).
-    ``below``: the entry under it (the stack is a chain from the top, :func:`push`)."""
+    ``checks``: an eager model forward's device checks, read once when it ends
+    (:func:`varlen_attn.execution.attend_outer`). ``below``: the entry under it (the stack is a
+    chain from the top, :func:`push`)."""
 
     policy: Policy
     checkpoint_mask: torch.Tensor | None = None
     owner: object = None
+    checks: list | None = None
     below: Entry | None = None
 
 
@@ -105,7 +108,7 @@ def _sdpa(*args, **kwargs):
     # likewise a call auto leaves to stock by cost, which stock checks and runs as it is.
     if entry is None or mask is None or _left_to_stock(entry.policy, args, kwargs, mask):
         return _replaced[0](*args, **kwargs)
-    return sdpa_with_policy(*args, **kwargs, policy=entry.policy)
+    return sdpa_with_policy(*args, **kwargs, policy=entry.policy, checks=entry.checks)
 
 
 def _left_to_stock(policy, args, kwargs, mask) -> bool:

@@ -184,3 +184,20 @@ def read_padding(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int, seqlen_
     not_padding = (keep != (valid_q[..., :, None] & valid_k[..., None, :])).any()
     flags = torch.stack([nan, posinf, bias, per_head, swamped, not_padding]).to(torch.int64)
     return valid_q.expand(batch_size, seqlen_q), valid_k.expand(batch_size, seqlen_k), flags
+
+
+def outer_factors(mask4: torch.Tensor):
+    """A boolean ``[B|1, 1, Sq, Sk]`` mask read as the outer product it may be (Chroma's
+    ``m[:, None, None, :] * m[:, None, :, None]``): ``(keep_q [B|1, Sq], keep_k [B|1, Sk], bad)``.
+
+    ``keep_q``: the queries that attend a key; ``keep_k``: the keys some query attends, every
+    key where none is (an element whose queries all attend nothing: its rows are zeroed by
+    ``keep_q``, and no kernel sees an element without keys). ``bad``: a 0-d bool on the device,
+    False exactly when the mask equals ``keep_q`` x ``keep_k``. Masked SDPA with the mask is
+    then SDPA with the key-padding mask ``keep_k`` with its rows multiplied by ``keep_q``: a
+    row with no key is zeros in both, and its zero output gradient gives nothing to q, k or v.
+    Six tensor ops and no sync: this runs in every attention call of a host-bound step."""
+    m = mask4[:, 0]  # dims counted from the front (read_padding says why)
+    keep_q, keep_k = m.any(dim=2), m.any(dim=1)
+    bad = m.ne(keep_q[:, :, None] & keep_k[:, None, :]).any()
+    return keep_q, torch.where(keep_q.any(dim=1, keepdim=True), keep_k, True), bad

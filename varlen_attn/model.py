@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from ._errors import InputTypeError, check_bool, warn_once
+from . import _stats
+from ._errors import InputTypeError, NotPackableError, check_bool, warn_once
 from .hook import Entry, current, install, installed, pop_entry_of, push
 from .kernels import requested_backend
 from .policy import Policy
@@ -81,12 +82,34 @@ def _enter_model(model, args, kwargs):
         _install_compiled(model, state)  # modules compiled since the last forward get theirs now
         if not installed():
             _warn_replaced()
-    push(Entry(state.policy(), mask if isinstance(mask, torch.Tensor) else None, model))
+    push(Entry(state.policy(), mask if isinstance(mask, torch.Tensor) else None, model,
+               None if compiling else []))
     return trimmed
 
 
-def _leave_model(model, args, output):
+def _leave_model(model, args, kwargs, output):
+    """Take the model's entry off, then read its forward's device checks (one host read): where
+    one failed (a mask read as an outer product that is not one), the forward is run again with
+    each call checked as it comes (exact), or raises under ``strict``."""
+    entry = current()
     pop_entry_of(model)
+    if (entry is None or entry.owner is not model or not entry.checks or output is None
+            or torch.compiler.is_compiling()):
+        return None
+    checks, entry.checks = entry.checks, None
+    _stats.record_host_sync()
+    if not torch.stack(checks).any().item():
+        return None
+    reason = ("a boolean mask with rows is no outer product of its query and key masks: the forward ran "
+              "again, each such call checked as it came")
+    if entry.policy.strict:
+        raise NotPackableError(reason.split(":")[0] + " (strict=True: the forward is not run again)")
+    _stats.record_fallback(reason)
+    push(Entry(entry.policy, entry.checkpoint_mask, model))
+    try:
+        return model.forward(*args, **kwargs)
+    finally:
+        pop_entry_of(model)
 
 
 def _enter_attention(module, args):
@@ -114,9 +137,9 @@ def _warn_replaced() -> None:
               "the other library patches SDPA.")
 
 
-def _add_hooks(module, pre, post, with_kwargs=False) -> None:
+def _add_hooks(module, pre, post, with_kwargs=False, post_kwargs=False) -> None:
     module.register_forward_pre_hook(pre, with_kwargs=with_kwargs)
-    module.register_forward_hook(post, always_call=True)
+    module.register_forward_hook(post, with_kwargs=post_kwargs, always_call=True)
 
 
 def _remove_hooks(module, *fns) -> None:
@@ -125,6 +148,7 @@ def _remove_hooks(module, *fns) -> None:
             del hooks[hid]
             module._forward_hooks_always_called.pop(hid, None)
             module._forward_pre_hooks_with_kwargs.pop(hid, None)
+            module._forward_hooks_with_kwargs.pop(hid, None)
 
 
 def enable_varlen(
@@ -210,7 +234,7 @@ def enable_varlen(
         state.checkpointed = _checkpointing_modules(model)
         _install_checkpointing(state)
     model._varlen_state = state
-    _add_hooks(model, _enter_model, _leave_model, with_kwargs=True)
+    _add_hooks(model, _enter_model, _leave_model, with_kwargs=True, post_kwargs=True)
     return model
 
 
