@@ -194,11 +194,21 @@ def test_stock_kernel_follows_pytorchs_rule_off_the_gpu():
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_mask_with_rows_is_never_left_to_cudnn(use_table, monkeypatch, fresh_dynamo, compiled):
-    """Where stock's kernel is cuDNN's attention, an outer-layout mask packs even below the
-    crossover (costs.cudnn_rows_fail: cuDNN fails on such masks); key-padding masks still go to
-    stock there, and outer ones where stock's kernel is another."""
+    """Where stock's kernel is cuDNN's attention, no mask with rows reaches it (costs.cudnn_rows_fail:
+    cuDNN fails on such masks): an outer product runs as the key-padding call it is
+    (execution.attend_outer; stock's SDPA sees its keys' mask), traced calls pack; key-padding
+    masks still go to stock there, and outer ones where stock's kernel is another."""
     kernel = {"name": "cudnn"}
     monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel["name"])
+    seen = []
+    sdpa = va.execution.TORCH_SDPA
+
+    def spy(*args, **kwargs):
+        seen.append(tuple(kwargs["attn_mask"].shape))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(va.execution, "TORCH_SDPA", spy)
+    monkeypatch.setattr(va.hook, "_replaced", [lambda *a, **kw: spy(*a, **kw)])
     stock_first = table((1.0, 10.0), (2.0, 20.0), tokens=(16, 256))
     stock_first[0]["layouts"]["outer"]["routes"]["sdpa:cudnn"] = stock_first[0]["layouts"]["outer"]["routes"].pop("sdpa:cpu")
     fn = va.scaled_dot_product_attention
@@ -208,15 +218,20 @@ def test_a_mask_with_rows_is_never_left_to_cudnn(use_table, monkeypatch, fresh_d
     stock_first[0]["layouts"]["key_padding"] = json.loads(json.dumps(stock_first[0]["layouts"]["outer"]))
     stock_first[0]["layouts"]["outer"]["routes"]["sdpa:efficient"] = stock_first[0]["layouts"]["outer"]["routes"]["sdpa:cudnn"]
     use_table(stock_first)
-    for s, outer, name, stock in ((64, True, "cudnn", False), (60, True, "cudnn", False), (64, False, "cudnn", True),
-                                  (56, True, "efficient", True)):
+    for s, outer, name, stock in ((64, True, "cudnn", not compiled), (60, True, "cudnn", not compiled),
+                                  (64, False, "cudnn", True), (56, True, "efficient", True)):
         kernel["name"] = name
         q, k, v, mask = inputs(s=s, lengths=(s, 7, 0), outer=outer)
         va.reset_stats()
+        seen.clear()
         out = fn(q, k, v, mask)
         ran = va.stats()["backends"]
         assert ran == ({} if compiled else {"sdpa": 1}) if stock else ran == {"split_sdpa": 1}, (s, outer, ran)
-        if not stock:
-            assert list(va.stats()["routes"]) == ["split_sdpa: stock's cuDNN attention fails on masks with rows"]
+        if name == "cudnn":
+            assert all(shape[-2] == 1 for shape in seen), (s, outer, seen)  # no rows reached cuDNN
+        if outer and name == "cudnn":  # traced: packed, for that reason; eager: routed as key padding
+            expected = ("split_sdpa: stock's cuDNN attention fails on masks with rows" if compiled else
+                        "sdpa: cheaper than split_sdpa below inf tokens (key_padding mask, stock on cudnn, cpu's table)")
+            assert list(va.stats()["routes"]) == [expected], va.stats()["routes"]
         torch.testing.assert_close(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask), rtol=0, atol=1e-12,
                                    equal_nan=True)

@@ -226,17 +226,20 @@ def factorable(mask4, opts: Options, policy) -> bool:
             and not opts.causal and policy.backend != SDPA)
 
 
-def attend_outer(q, k, v, mask4, opts: Options, policy, checks: list | None) -> torch.Tensor:
+UNREAD = ("unread",)  # attend_outer's checks: flags neither read nor kept (a recomputation's)
+
+
+def attend_outer(q, k, v, mask4, opts: Options, policy, checks: list | tuple | None) -> torch.Tensor:
     """A :func:`factorable` call as the key-padding call it is when its mask is an outer product
     (:func:`~varlen_attn.masks.outer_factors`): the keys' mask routed and run as key padding
     (:func:`attend`: by cost to stock's SDPA, or packed on a plan built on the device), the rows
     then multiplied by the queries' mask. Whether the mask is that product is a device flag:
 
-    * ``checks`` (a list: an enabled model's forward, :mod:`varlen_attn.model`): the flag is
-      appended, to be read once when the forward ends, which redoes a failed forward exactly;
-    * in backward (a checkpoint's recomputation, after its forward passed): not read; a failed
-      flag makes the rows NaN, never a silently wrong gradient;
-    * otherwise read now (one host read): a mask that is no outer product takes :func:`attend`.
+    * ``checks`` a list (the forward of a model in :data:`varlen_attn.model.OUTER_MASKS`): the
+      flag is appended, to be read once when the forward ends, which redoes a failed forward;
+    * :data:`UNREAD` (such a model's checkpoint recomputation in backward, after its forward's
+      checks passed): not read; a failed flag makes the rows NaN, never a silently wrong gradient;
+    * None: read now (one host read); a mask that is no outer product takes :func:`attend`.
 
     Where the flag is not read, a failed one makes every row NaN (``checks``: until the redo).
     auto first weighs the call as it is (an outer mask): one it leaves to stock's SDPA is read
@@ -247,8 +250,8 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: list | None) -> 
         return run(q, k, v, None, mask4, stock_route(mask4, policy), opts)
     keep_q, keep_k, bad = outer_factors(mask4)
     scale = keep_q.to(q.dtype)
-    if checks is not None or torch._C._current_autograd_node() is not None:
-        if checks is not None:
+    if checks is not None:
+        if checks is not UNREAD:
             checks.append(bad)
         scale.masked_fill_(bad, float("nan"))
     else:

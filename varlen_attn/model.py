@@ -22,6 +22,7 @@ import torch
 
 from . import _stats
 from ._errors import InputTypeError, NotPackableError, check_bool, warn_once
+from .execution import UNREAD
 from .hook import Entry, current, install, installed, pop_entry_of, push
 from .kernels import requested_backend
 from .policy import Policy
@@ -46,6 +47,8 @@ class _State:
         self.attention: list[torch.nn.Module] = []
         self.checkpointed: list[torch.nn.Module] = []
         self.compiled: list[tuple[torch.nn.Module, str]] = []  # (module, attribute) given a _Boundary
+        self.defers = False  # the model is in OUTER_MASKS: its checks are read once per forward
+        self.redone = False  # this step's forward ran again (a check failed): its recomputation reads each
         self._policy: Policy | None = None
 
     def policy(self) -> Policy:
@@ -56,6 +59,21 @@ class _State:
         if policy is None or policy.backend != name:
             policy = self._policy = Policy(name, self.strict, self.float_mask, True, self.in_graph)
         return policy
+
+
+# diffusers classes whose every attention mask with rows is the outer product of the mask the model
+# was called with (diffusers 0.42.1, transformer_chroma.py: ``attention_mask[:, None, None, :] *
+# attention_mask[:, None, :, None]`` in every block). Such a mask runs as key padding
+# (execution.attend_outer) with its device check read once when the forward ends, not in every
+# call: 114 reads a full-depth Chroma step otherwise. Elsewhere a mask with rows is checked in its
+# own call (HunyuanVideo's token refiner, for one, gives padded queries key 0: no outer product,
+# and a deferred check would run every forward twice).
+OUTER_MASKS = ("ChromaTransformer2DModel",)
+
+
+def _defers(cls: type) -> bool:
+    """``cls`` is in :data:`OUTER_MASKS`, or inherits its ``forward`` from a class that is."""
+    return any(base.__name__ in OUTER_MASKS and cls.forward is base.forward for base in cls.__mro__)
 
 
 # -- the hooks: module-level functions, so they deep-copy and pickle with the modules ----------
@@ -82,8 +100,9 @@ def _enter_model(model, args, kwargs):
         _install_compiled(model, state)  # modules compiled since the last forward get theirs now
         if not installed():
             _warn_replaced()
+    state.redone = False
     push(Entry(state.policy(), mask if isinstance(mask, torch.Tensor) else None, model,
-               None if compiling else []))
+               [] if state.defers and not compiling else None))
     return trimmed
 
 
@@ -105,6 +124,9 @@ def _leave_model(model, args, kwargs, output):
     if entry.policy.strict:
         raise NotPackableError(reason.split(":")[0] + " (strict=True: the forward is not run again)")
     _stats.record_fallback(reason)
+    state = model.__dict__.get("_varlen_state")
+    if state is not None:
+        state.redone = True
     push(Entry(entry.policy, entry.checkpoint_mask, model))
     try:
         return model.forward(*args, **kwargs)
@@ -121,7 +143,10 @@ def _enter_attention(module, args):
     top = current()
     if top is not None and top.policy is state._policy:
         return  # inside its model's forward: that entry routes the module (its leave pops only its own)
-    push(Entry(state.policy(), owner=module))
+    # In backward, the recomputation of a checkpointed block of a forward whose checks passed: its
+    # masks are those the checks read (poisoned, not read, should one differ).
+    unread = state.defers and not state.redone and torch._C._current_autograd_node() is not None
+    push(Entry(state.policy(), owner=module, checks=UNREAD if unread else None))
 
 
 def _leave_attention(module, args, output):
@@ -211,6 +236,7 @@ def enable_varlen(
         disable_varlen(model)
     install()
     state = _State(backend, strict, float_mask, restore_checkpoint_mask, in_graph, trim_text)
+    state.defers = _defers(type(model))
     state.policy()  # made now: a whole model compiled would otherwise guard on its absence, and recompile
     for module in model.modules():
         proc = getattr(module, "processor", None)

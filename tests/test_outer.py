@@ -1,0 +1,146 @@
+"""A boolean mask with rows runs as the key-padding call it is when it is an outer product
+(``execution.attend_outer``): checked on the device, read in the call, or once per forward of a
+model in ``model.OUTER_MASKS`` (Chroma), whose failed check runs the forward again exactly, or
+raises under strict. CPU, float64, against masked SDPA."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings, strategies as st
+
+import varlen_attn as va
+from varlen_attn import NotPackableError, masks
+from varlen_attn.execution import UNREAD
+from varlen_attn.functional import sdpa_with_policy
+from varlen_attn.policy import Policy
+
+from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+from _testing import assert_model_close
+
+
+@st.composite
+def masks_with_rows(draw):
+    """``[B, 1, Sq, Sk]`` bool: an outer product of drawn query and key masks (empty rows and
+    empty elements included), sometimes with one bit flipped, or random bits."""
+    b, sq, sk = draw(st.integers(1, 3)), draw(st.integers(2, 9)), draw(st.integers(1, 9))
+    kind = draw(st.sampled_from(["outer", "flipped", "random"]))
+    if kind == "random":
+        bits = draw(st.lists(st.booleans(), min_size=b * sq * sk, max_size=b * sq * sk))
+        return torch.tensor(bits).view(b, 1, sq, sk)
+    rows = torch.tensor(draw(st.lists(st.booleans(), min_size=b * sq, max_size=b * sq))).view(b, sq)
+    cols = torch.tensor(draw(st.lists(st.booleans(), min_size=b * sk, max_size=b * sk))).view(b, sk)
+    mask = (rows[:, :, None] & cols[:, None, :])[:, None].clone()
+    if kind == "flipped":
+        i, j, e = draw(st.integers(0, sq - 1)), draw(st.integers(0, sk - 1)), draw(st.integers(0, b - 1))
+        mask[e, 0, i, j] = ~mask[e, 0, i, j]
+    return mask
+
+
+def is_outer(mask: torch.Tensor) -> bool:
+    """Brute-force oracle: every element's mask is the product of its row and column supports."""
+    rows, cols = mask[:, 0].any(2), mask[:, 0].any(1)
+    return all(torch.equal(mask[e, 0], rows[e][:, None] & cols[e][None, :]) for e in range(mask.shape[0]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(masks_with_rows())
+def test_outer_factors_flag_exactly_the_masks_that_are_no_outer_product(mask):
+    keep_q, keep_k, bad = masks.outer_factors(mask)
+    assert bool(bad) == (not is_outer(mask))
+    assert torch.equal(keep_q, mask[:, 0].any(2))
+    # The keys some query attends; all keys of an element none of whose queries attends one.
+    empty = ~mask[:, 0].any((1, 2))
+    assert torch.equal(keep_k, mask[:, 0].any(1) | empty[:, None])
+
+
+def inputs(mask, d=8, h=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, _, sq, sk = mask.shape
+    q = torch.randn(b, h, sq, d, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(b, h, sk, d, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    return q, k, v
+
+
+def out_and_grads(fn, q, k, v):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v)
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
+    (out * w).nan_to_num(0.0).sum().backward()
+    return [out.detach(), q.grad, k.grad, v.grad]
+
+
+@settings(max_examples=120, deadline=None)
+@given(masks_with_rows(), st.sampled_from(["read", "deferred", "unread"]))
+def test_a_mask_with_rows_equals_masked_sdpa_or_is_loud(mask, mode):
+    """Read in the call, any mask gives masked SDPA's results. Deferred (a model's forward) or
+    not read (its recomputation), an outer product gives them and a mask that is none makes the
+    whole output NaN, its flag set for the forward's one read."""
+    q, k, v = inputs(mask)
+    checks = {"read": None, "deferred": [], "unread": UNREAD}[mode]
+    policy = Policy("auto", model=True)
+    va.reset_stats()
+    got = out_and_grads(lambda q, k, v: sdpa_with_policy(q, k, v, mask, policy=policy, checks=checks), q, k, v)
+    ref = out_and_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), q, k, v)
+    outer = is_outer(mask)
+    if mode == "deferred":
+        assert len(checks) == 1 and bool(checks[0]) == (not outer)
+    syncs = va.stats()["host_syncs"]  # the check, read in the call; a failed one's own plan reads more
+    assert (syncs == 1 if outer else syncs > 1) if mode == "read" else syncs == 0, (mode, outer, syncs)
+    if outer or mode == "read":
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    else:
+        assert got[0].isnan().all(), "a failed check that is not read must not leave a finite result"
+
+
+def corrupt_one_block(model):
+    """A pre-hook on the model's first attention module that gives every query key 0 (as
+    HunyuanVideo's token refiner does): its mask has rows and is no outer product."""
+    attn = next(m for m in model.modules() if hasattr(m, "processor"))
+
+    def pre(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            mask = mask.clone()
+            mask[..., 0] = True
+            kwargs = {**kwargs, "attention_mask": mask}
+        return args, kwargs
+
+    attn.register_forward_pre_hook(pre, with_kwargs=True)
+    return model
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_chroma_reads_its_checks_once_per_forward_and_redoes_a_failed_one_exactly(checkpointing):
+    batch = chroma_inputs()
+    stock = tiny_chroma()
+    ref = step(stock, batch)
+    enabled = copy.deepcopy(stock)
+    va.enable_varlen(enabled)
+    if checkpointing:
+        enabled.enable_gradient_checkpointing()
+    va.reset_stats()
+    assert_model_close(step(enabled, batch), ref, what="outer products")
+    st_ = va.stats()
+    assert st_["host_syncs"] == 1 and not st_["fallbacks"], st_  # one read for the forward's checks
+    calls = CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)
+    assert sum(st_["backends"].values()) == calls, st_
+
+    corrupt_one_block(stock)
+    corrupt_one_block(enabled)
+    ref = step(stock, batch)
+    va.reset_stats()
+    assert_model_close(step(enabled, batch), ref, what="one mask no outer product")
+    st_ = va.stats()
+    assert any("no outer product" in r for r in st_["fallbacks"]), st_
+    # The forward's read, then each call of the forward run again checked in the call (the
+    # recomputation too: its forward was run again).
+    assert st_["host_syncs"] > 1 + calls, st_
+    va.disable_varlen(enabled)
+    va.enable_varlen(enabled, strict=True)
+    with pytest.raises(NotPackableError, match="no outer product"):
+        step(enabled, batch)
