@@ -14,7 +14,7 @@ from hypothesis import given, settings, strategies as st
 
 import varlen_attn as va
 from varlen_attn import NotPackableError, masks
-from varlen_attn.execution import UNREAD
+from varlen_attn.execution import UNREAD, Deferred
 from varlen_attn.functional import sdpa_with_policy
 from varlen_attn.policy import Policy
 
@@ -80,14 +80,14 @@ def test_a_mask_with_rows_equals_masked_sdpa_or_is_loud(mask, mode):
     not read (its recomputation), an outer product gives them and a mask that is none makes the
     whole output NaN, its flag set for the forward's one read."""
     q, k, v = inputs(mask)
-    checks = {"read": None, "deferred": [], "unread": UNREAD}[mode]
+    checks = {"read": None, "deferred": Deferred(), "unread": UNREAD}[mode]
     policy = Policy("auto", model=True)
     va.reset_stats()
     got = out_and_grads(lambda q, k, v: sdpa_with_policy(q, k, v, mask, policy=policy, checks=checks), q, k, v)
     ref = out_and_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), q, k, v)
     outer = is_outer(mask)
     if mode == "deferred":
-        assert len(checks) == 1 and bool(checks[0]) == (not outer)
+        assert len(checks.flags) == 1 and bool(checks.flags[0]) == (not outer)
     syncs = va.stats()["host_syncs"]  # the check, read in the call; a failed one's own plan reads more
     assert (syncs == 1 if outer else syncs > 1) if mode == "read" else syncs == 0, (mode, outer, syncs)
     if outer or mode == "read":
@@ -144,3 +144,29 @@ def test_chroma_reads_its_checks_once_per_forward_and_redoes_a_failed_one_exactl
     va.enable_varlen(enabled, strict=True)
     with pytest.raises(NotPackableError, match="no outer product"):
         step(enabled, batch)
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_a_call_checked_against_the_models_mask_runs_with_its_factors_or_flags_it(data):
+    """Inside a Chroma forward each call's mask is compared on the device with the outer product
+    of the model's own [B, S] mask (execution.Deferred): equal, the call runs with that mask's
+    factors and equals masked SDPA; any other mask (an outer product of other factors included)
+    raises the flag the forward's one read finds, and the forward is run again."""
+    b, s = data.draw(st.integers(1, 3)), data.draw(st.integers(2, 9))
+    keep = torch.tensor(data.draw(st.lists(st.booleans(), min_size=b * s, max_size=b * s))).view(b, s)
+    mask = (keep[:, None, :, None] & keep[:, None, None, :]).clone()
+    if data.draw(st.booleans()):
+        e, i, j = data.draw(st.integers(0, b - 1)), data.draw(st.integers(0, s - 1)), data.draw(st.integers(0, s - 1))
+        mask[e, 0, i, j] = ~mask[e, 0, i, j]
+    q, k, v = inputs(mask)
+    checks = Deferred(keep)
+    va.reset_stats()
+    got = out_and_grads(lambda q, k, v: sdpa_with_policy(q, k, v, mask, policy=Policy("auto", model=True),
+                                                          checks=checks), q, k, v)
+    equal = torch.equal(mask, keep[:, None, :, None] & keep[:, None, None, :])
+    assert len(checks.flags) == 1 and bool(checks.flags[0]) == (not equal) and va.stats()["host_syncs"] == 0
+    if equal:
+        ref = out_and_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), q, k, v)
+        for a, b_ in zip(got, ref):
+            torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)

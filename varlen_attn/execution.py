@@ -229,30 +229,63 @@ def factorable(mask4, opts: Options, policy) -> bool:
 UNREAD = ("unread",)  # attend_outer's checks: flags neither read nor kept (a recomputation's)
 
 
-def attend_outer(q, k, v, mask4, opts: Options, policy, checks: list | tuple | None) -> torch.Tensor:
+class Deferred:
+    """The device checks of one forward of a model in :data:`varlen_attn.model.OUTER_MASKS`,
+    read once when it ends (``flags``), and the factors of the ``[B, S]`` bool mask the model was
+    called with (``keep``), made once: a call whose mask equals their outer product in value
+    (one comparison on the device, its flag kept here) runs with them, so that the mask each
+    block re-derives costs two tensor ops, not a reading of its own."""
+
+    def __init__(self, keep: torch.Tensor | None = None):
+        self.flags: list[torch.Tensor] = []
+        self.keep = keep if isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.dim() == 2 else None
+        self._made: dict = {}
+
+    def factors(self, mask4: torch.Tensor, dtype: torch.dtype):
+        """``(outer [B, 1, S, S], keys [B, 1, 1, S], rows [B, S, 1, 1] in dtype)`` for a call whose
+        mask has the shape of the outer product of ``keep``, or None."""
+        keep = self.keep
+        if keep is None or tuple(mask4.shape) != (keep.shape[0], 1, keep.shape[1], keep.shape[1]) \
+                or mask4.device != keep.device:
+            return None
+        made = self._made.get(dtype)
+        if made is None:
+            keys = torch.where(keep.any(dim=1, keepdim=True), keep, True)
+            made = self._made[dtype] = (keep[:, None, :, None] & keep[:, None, None, :], keys[:, None, None, :],
+                                        keep.to(dtype)[:, :, None, None])
+        return made
+
+
+def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | tuple | None) -> torch.Tensor:
     """A :func:`factorable` call as the key-padding call it is when its mask is an outer product
     (:func:`~varlen_attn.masks.outer_factors`): the keys' mask routed and run as key padding
     (:func:`attend`: by cost to stock's SDPA, or packed on a plan built on the device), the rows
     then multiplied by the queries' mask. Whether the mask is that product is a device flag:
 
-    * ``checks`` a list (the forward of a model in :data:`varlen_attn.model.OUTER_MASKS`): the
-      flag is appended, to be read once when the forward ends, which redoes a failed forward;
+    * ``checks`` a :class:`Deferred` (the forward of a model in
+      :data:`varlen_attn.model.OUTER_MASKS`): the flag is kept, to be read once when the forward
+      ends, which runs a failed forward again; the factors are the model's mask's where the
+      call's mask has its shape;
     * :data:`UNREAD` (such a model's checkpoint recomputation in backward, after its forward's
       checks passed): not read; a failed flag makes the rows NaN, never a silently wrong gradient;
     * None: read now (one host read); a mask that is no outer product takes :func:`attend`.
 
-    Where the flag is not read, a failed one makes every row NaN (``checks``: until the redo).
     auto first weighs the call as it is (an outer mask): one it leaves to stock's SDPA is read
     and changed by nothing."""
     decision = cost_decision(q, k, v, mask4, opts, policy)
     if decision is not None and decision.stock:
         _stats.record_route(decision.reason)
         return run(q, k, v, None, mask4, stock_route(mask4, policy), opts)
+    made = checks.factors(mask4, q.dtype) if isinstance(checks, Deferred) else None
+    if made is not None:
+        outer, keys, rows = made
+        checks.flags.append(mask4.ne(outer).any())
+        return attend(q, k, v, keys, opts, policy) * rows
     keep_q, keep_k, bad = outer_factors(mask4)
     scale = keep_q.to(q.dtype)
     if checks is not None:
-        if checks is not UNREAD:
-            checks.append(bad)
+        if isinstance(checks, Deferred):
+            checks.flags.append(bad)
         scale.masked_fill_(bad, float("nan"))
     else:
         _stats.record_host_sync()

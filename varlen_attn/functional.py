@@ -164,7 +164,7 @@ def _float01_read(mask4, policy: Policy):
 
 
 def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
-             policy: Policy, checks: list | None = None) -> torch.Tensor:
+             policy: Policy, checks=None) -> torch.Tensor:
     """Validated ``[B, S, H, D]`` q, k, v -> output: the eager path, or the custom op when traced.
     ``checks``: where an enabled model's forward collects its device checks
     (:func:`varlen_attn.execution.attend_outer`)."""
@@ -235,7 +235,7 @@ _NO_DROPOUT = object()  # sdpa_with_policy's default dropout_p (0.0); not a floa
 
 def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, is_causal=False, scale=None,
                      enable_gqa=False, *, policy: Policy, plan: VarlenPlan | None = None,
-                     checks: list | None = None) -> torch.Tensor:
+                     checks=None) -> torch.Tensor:
     """:func:`scaled_dot_product_attention` with a ready :class:`~varlen_attn.policy.Policy`
     (what ``enable_varlen``'s SDPA calls, varlen_attn.hook). ``dropout_p``'s
     default stands for 0.0 and is no float: a float default read in traced code is an input of

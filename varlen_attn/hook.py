@@ -54,7 +54,7 @@ class Entry:
     policy: Policy
     checkpoint_mask: torch.Tensor | None = None
     owner: object = None
-    checks: list | None = None
+    checks: object = None  # execution.Deferred, execution.UNREAD or None
     below: Entry | None = None
 
 

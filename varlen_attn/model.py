@@ -22,7 +22,7 @@ import torch
 
 from . import _stats
 from ._errors import InputTypeError, NotPackableError, check_bool, warn_once
-from .execution import UNREAD
+from .execution import UNREAD, Deferred
 from .hook import Entry, current, install, installed, pop_entry_of, push
 from .kernels import requested_backend
 from .policy import Policy
@@ -47,7 +47,7 @@ class _State:
         self.attention: list[torch.nn.Module] = []
         self.checkpointed: list[torch.nn.Module] = []
         self.compiled: list[tuple[torch.nn.Module, str]] = []  # (module, attribute) given a _Boundary
-        self.defers = False  # the model is in OUTER_MASKS: its checks are read once per forward
+        self.defers = None  # the model's mask argument where it is in OUTER_MASKS: checks read once per forward
         self.redone = False  # this step's forward ran again (a check failed): its recomputation reads each
         self._policy: Policy | None = None
 
@@ -68,12 +68,14 @@ class _State:
 # call: 114 reads a full-depth Chroma step otherwise. Elsewhere a mask with rows is checked in its
 # own call (HunyuanVideo's token refiner, for one, gives padded queries key 0: no outer product,
 # and a deferred check would run every forward twice).
-OUTER_MASKS = ("ChromaTransformer2DModel",)
+OUTER_MASKS = {"ChromaTransformer2DModel": "attention_mask"}  # class name -> its [B, S] mask argument
 
 
-def _defers(cls: type) -> bool:
-    """``cls`` is in :data:`OUTER_MASKS`, or inherits its ``forward`` from a class that is."""
-    return any(base.__name__ in OUTER_MASKS and cls.forward is base.forward for base in cls.__mro__)
+def _defers(cls: type) -> str | None:
+    """The mask argument of ``cls`` in :data:`OUTER_MASKS`, or of the class it inherits its
+    ``forward`` from; None where neither is listed."""
+    return next((OUTER_MASKS[base.__name__] for base in cls.__mro__
+                 if base.__name__ in OUTER_MASKS and cls.forward is base.forward), None)
 
 
 # -- the hooks: module-level functions, so they deep-copy and pickle with the modules ----------
@@ -90,20 +92,28 @@ def _enter_model(model, args, kwargs):
         args, kwargs = trimmed
     mask = None
     if state.restore_checkpoint_mask:
-        mask = kwargs.get("attention_mask")
-        if mask is None and args:
-            params = param_names(type(model)) or ()
-            if "attention_mask" in params[:len(args)]:
-                mask = args[params.index("attention_mask")]
+        mask = _argument(model, args, kwargs, "attention_mask")
         _install_checkpointing(state)  # a function set after enabling is wrapped here (also traced)
     if not compiling:
         _install_compiled(model, state)  # modules compiled since the last forward get theirs now
         if not installed():
             _warn_replaced()
     state.redone = False
-    push(Entry(state.policy(), mask if isinstance(mask, torch.Tensor) else None, model,
-               [] if state.defers and not compiling else None))
+    checks = None
+    if state.defers is not None and not compiling:
+        checks = Deferred(_argument(model, args, kwargs, state.defers))
+    push(Entry(state.policy(), mask if isinstance(mask, torch.Tensor) else None, model, checks))
     return trimmed
+
+
+def _argument(model, args, kwargs, name: str):
+    """The argument ``name`` of a call of ``model``'s forward, or None."""
+    found = kwargs.get(name)
+    if found is None and args:
+        params = param_names(type(model)) or ()
+        if name in params[:len(args)]:
+            found = args[params.index(name)]
+    return found
 
 
 def _leave_model(model, args, kwargs, output):
@@ -112,12 +122,12 @@ def _leave_model(model, args, kwargs, output):
     each call checked as it comes (exact), or raises under ``strict``."""
     entry = current()
     pop_entry_of(model)
-    if (entry is None or entry.owner is not model or not entry.checks or output is None
-            or torch.compiler.is_compiling()):
+    if (entry is None or entry.owner is not model or not isinstance(entry.checks, Deferred)
+            or not entry.checks.flags or output is None or torch.compiler.is_compiling()):
         return None
-    checks, entry.checks = entry.checks, None
+    flags, entry.checks = entry.checks.flags, None
     _stats.record_host_sync()
-    if not torch.stack(checks).any().item():
+    if not torch.stack(flags).any().item():
         return None
     reason = ("a boolean mask with rows is no outer product of its query and key masks: the forward ran "
               "again, each such call checked as it came")
@@ -145,7 +155,7 @@ def _enter_attention(module, args):
         return  # inside its model's forward: that entry routes the module (its leave pops only its own)
     # In backward, the recomputation of a checkpointed block of a forward whose checks passed: its
     # masks are those the checks read (poisoned, not read, should one differ).
-    unread = state.defers and not state.redone and torch._C._current_autograd_node() is not None
+    unread = state.defers is not None and not state.redone and torch._C._current_autograd_node() is not None
     push(Entry(state.policy(), owner=module, checks=UNREAD if unread else None))
 
 
