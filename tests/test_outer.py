@@ -76,11 +76,11 @@ def out_and_grads(fn, q, k, v):
 @settings(max_examples=120, deadline=None)
 @given(masks_with_rows(), st.sampled_from(["read", "deferred", "unread"]))
 def test_a_mask_with_rows_equals_masked_sdpa_or_is_loud(mask, mode):
-    """Read in the call, any mask gives masked SDPA's results. Deferred (a model's forward) or
-    not read (its recomputation), an outer product gives them and a mask that is none makes the
-    whole output NaN, its flag set for the forward's one read."""
+    """Read in the call, any mask gives masked SDPA's results. Deferred (a model's forward), an
+    outer product gives them and a mask that is none sets the flag the forward's one read finds;
+    not read (a recomputation), such a mask makes the whole output NaN."""
     q, k, v = inputs(mask)
-    checks = {"read": None, "deferred": Deferred(), "unread": UNREAD}[mode]
+    checks = {"read": None, "deferred": Deferred(None, []), "unread": UNREAD}[mode]
     policy = Policy("auto", model=True)
     va.reset_stats()
     got = out_and_grads(lambda q, k, v: sdpa_with_policy(q, k, v, mask, policy=policy, checks=checks), q, k, v)
@@ -93,7 +93,7 @@ def test_a_mask_with_rows_equals_masked_sdpa_or_is_loud(mask, mode):
     if outer or mode == "read":
         for a, b in zip(got, ref):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    else:
+    elif mode == "unread":
         assert got[0].isnan().all(), "a failed check that is not read must not leave a finite result"
 
 
@@ -160,7 +160,7 @@ def test_a_call_checked_against_the_models_mask_runs_with_its_factors_or_flags_i
         e, i, j = data.draw(st.integers(0, b - 1)), data.draw(st.integers(0, s - 1)), data.draw(st.integers(0, s - 1))
         mask[e, 0, i, j] = ~mask[e, 0, i, j]
     q, k, v = inputs(mask)
-    checks = Deferred(keep)
+    checks = Deferred(keep, [])
     va.reset_stats()
     got = out_and_grads(lambda q, k, v: sdpa_with_policy(q, k, v, mask, policy=Policy("auto", model=True),
                                                           checks=checks), q, k, v)

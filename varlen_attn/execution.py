@@ -226,20 +226,25 @@ def factorable(mask4, opts: Options, policy) -> bool:
             and not opts.causal and policy.backend != SDPA)
 
 
-UNREAD = ("unread",)  # attend_outer's checks: flags neither read nor kept (a recomputation's)
-
-
 class Deferred:
-    """The device checks of one forward of a model in :data:`varlen_attn.model.OUTER_MASKS`,
-    read once when it ends (``flags``), and the factors of the ``[B, S]`` bool mask the model was
-    called with (``keep``), made once: a call whose mask equals their outer product in value
-    (one comparison on the device, its flag kept here) runs with them, so that the mask each
+    """How :func:`attend_outer` treats its device checks. ``flags`` a list: one forward of a model in
+    :data:`varlen_attn.model.OUTER_MASKS`, whose flags are read once when it ends; None: a
+    recomputation in backward of such a forward, after its checks passed: not read, a failed
+    flag makes the rows NaN (:data:`UNREAD`). ``keep``: the ``[B, S]`` bool mask the model was
+    called with; its factors are made once (:meth:`factors`), and a call whose mask equals their
+    outer product in value (one comparison on the device) runs with them, so that the mask each
     block re-derives costs two tensor ops, not a reading of its own."""
 
-    def __init__(self, keep: torch.Tensor | None = None):
-        self.flags: list[torch.Tensor] = []
+    def __init__(self, keep: torch.Tensor | None = None, flags: list | None = None):
+        self.flags = flags
         self.keep = keep if isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.dim() == 2 else None
         self._made: dict = {}
+
+    def unread(self) -> Deferred:
+        """The same factors, for the forward's recomputation: flags not read."""
+        found = Deferred(None)
+        found.keep, found._made = self.keep, self._made
+        return found
 
     def factors(self, mask4: torch.Tensor, dtype: torch.dtype):
         """``(outer [B, 1, S, S], keys [B, 1, 1, S], rows [B, S, 1, 1] in dtype)`` for a call whose
@@ -256,43 +261,38 @@ class Deferred:
         return made
 
 
-def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | tuple | None) -> torch.Tensor:
+UNREAD = Deferred()  # a recomputation's checks, without the model's mask: each call's own factors
+
+
+def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None) -> torch.Tensor:
     """A :func:`factorable` call as the key-padding call it is when its mask is an outer product
-    (:func:`~varlen_attn.masks.outer_factors`): the keys' mask routed and run as key padding
-    (:func:`attend`: by cost to stock's SDPA, or packed on a plan built on the device), the rows
-    then multiplied by the queries' mask. Whether the mask is that product is a device flag:
-
-    * ``checks`` a :class:`Deferred` (the forward of a model in
-      :data:`varlen_attn.model.OUTER_MASKS`): the flag is kept, to be read once when the forward
-      ends, which runs a failed forward again; the factors are the model's mask's where the
-      call's mask has its shape;
-    * :data:`UNREAD` (such a model's checkpoint recomputation in backward, after its forward's
-      checks passed): not read; a failed flag makes the rows NaN, never a silently wrong gradient;
-    * None: read now (one host read); a mask that is no outer product takes :func:`attend`.
-
-    auto first weighs the call as it is (an outer mask): one it leaves to stock's SDPA is read
-    and changed by nothing."""
+    (:func:`~varlen_attn.masks.outer_factors`, or the model's mask's factors,
+    :meth:`Deferred.factors`): the keys' mask routed and run as key padding (:func:`attend`: by
+    cost to stock's SDPA, or packed on a plan built on the device), the rows then multiplied by
+    the queries' mask. Whether the mask is that product is a device flag, read as ``checks``
+    says (:class:`Deferred`); None: read now (one host read), and a mask that is no outer
+    product takes :func:`attend`. auto first weighs the call as it is (an outer mask): one it
+    leaves to stock's SDPA is read and changed by nothing."""
     decision = cost_decision(q, k, v, mask4, opts, policy)
     if decision is not None and decision.stock:
         _stats.record_route(decision.reason)
         return run(q, k, v, None, mask4, stock_route(mask4, policy), opts)
-    made = checks.factors(mask4, q.dtype) if isinstance(checks, Deferred) else None
+    made = checks.factors(mask4, q.dtype) if checks is not None else None
     if made is not None:
         outer, keys, rows = made
-        checks.flags.append(mask4.ne(outer).any())
-        return attend(q, k, v, keys, opts, policy) * rows
-    keep_q, keep_k, bad = outer_factors(mask4)
-    scale = keep_q.to(q.dtype)
-    if checks is not None:
-        if isinstance(checks, Deferred):
-            checks.flags.append(bad)
-        scale.masked_fill_(bad, float("nan"))
+        bad = mask4.ne(outer).any()
     else:
+        keep_q, keys, bad = outer_factors(mask4)
+        keys, rows = keys[:, None, None, :], keep_q.to(q.dtype)[:, :, None, None]
+    if checks is None:
         _stats.record_host_sync()
         if bad.item():
             return attend(q, k, v, mask4, opts, policy)
-    out = attend(q, k, v, keep_k[:, None, None, :], opts, policy)
-    return out * scale[:, :, None, None]
+    elif checks.flags is not None:
+        checks.flags.append(bad)  # read when the forward ends, which runs a failed one again
+    else:
+        rows = rows.masked_fill(bad, float("nan"))
+    return attend(q, k, v, keys, opts, policy) * rows
 
 
 def rerouted(backend: str, first, choose, call):

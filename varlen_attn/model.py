@@ -101,7 +101,7 @@ def _enter_model(model, args, kwargs):
     state.redone = False
     checks = None
     if state.defers is not None and not compiling:
-        checks = Deferred(_argument(model, args, kwargs, state.defers))
+        checks = Deferred(_argument(model, args, kwargs, state.defers), [])
     push(Entry(state.policy(), mask if isinstance(mask, torch.Tensor) else None, model, checks))
     return trimmed
 
@@ -122,8 +122,8 @@ def _leave_model(model, args, kwargs, output):
     each call checked as it comes (exact), or raises under ``strict``."""
     entry = current()
     pop_entry_of(model)
-    if (entry is None or entry.owner is not model or not isinstance(entry.checks, Deferred)
-            or not entry.checks.flags or output is None or torch.compiler.is_compiling()):
+    if (entry is None or entry.owner is not model or entry.checks is None or not entry.checks.flags
+            or output is None or torch.compiler.is_compiling()):
         return None
     flags, entry.checks = entry.checks.flags, None
     _stats.record_host_sync()
@@ -388,7 +388,28 @@ class _Checkpoint:
                           "differ from stock's on purpose). enable_varlen(..., restore_checkpoint_mask=False) "
                           "keeps stock's behaviour.", type(block).__name__)
             args = restored
+        if entry is not None and entry.checks is not None and entry.checks.keep is not None:
+            block = _Recomputed(block, entry.policy, entry.checks.unread())
         return self.func(block, *args, **kwargs)
+
+
+class _Recomputed:
+    """A checkpointed block of a forward whose device checks are deferred (a model in
+    ``OUTER_MASKS``): called again in backward, it runs with that forward's mask factors, its
+    checks not read (:class:`varlen_attn.execution.Deferred`); the forward's own call passes
+    through. A forward whose checks failed ran again without factors, so its blocks are not."""
+
+    def __init__(self, block, policy, checks):
+        self.block, self.policy, self.checks = block, policy, checks
+
+    def __call__(self, *args, **kwargs):
+        if torch._C._current_autograd_node() is None:
+            return self.block(*args, **kwargs)
+        push(Entry(self.policy, owner=self, checks=self.checks))
+        try:
+            return self.block(*args, **kwargs)
+        finally:
+            pop_entry_of(self)
 
 
 def _checkpointing_modules(model) -> list[torch.nn.Module]:
