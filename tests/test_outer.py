@@ -170,3 +170,33 @@ def test_a_call_checked_against_the_models_mask_runs_with_its_factors_or_flags_i
         ref = out_and_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask), q, k, v)
         for a, b_ in zip(got, ref):
             torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
+
+
+def test_chroma_calls_left_to_stock_as_key_padding_see_no_rows_and_equal_stock(monkeypatch):
+    """Where packing costs more than stock on key padding but stock cannot take the outer product
+    itself (cuDNN's attention; here a table that packs outer masks), the hook hands stock the
+    model's keys' mask and scales the rows, its check kept for the forward's one read."""
+    from varlen_attn import costs, hook
+
+    lay = lambda stock_first: {"tokens": [16, 256], "routes": {  # noqa: E731
+        "sdpa:cpu": {"cost": [1.0, 10.0] if stock_first else [2.0, 20.0]},
+        "split_sdpa": {"cost": [2.0, 20.0] if stock_first else [1.0, 10.0]}}}
+    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64",
+                "layouts": {"key_padding": lay(True), "outer": lay(False)}}])
+    seen = []
+    replaced = hook._replaced[0]
+    monkeypatch.setattr(hook, "_replaced", [lambda *a, **kw: seen.append(tuple(kw["attn_mask"].shape)) or replaced(*a, **kw)])
+    try:
+        batch = chroma_inputs()
+        stock = tiny_chroma()
+        ref = step(stock, batch)
+        enabled = va.enable_varlen(copy.deepcopy(stock))
+        enabled.enable_gradient_checkpointing()
+        va.reset_stats()
+        seen.clear()
+        assert_model_close(step(enabled, batch), ref, what="stock on the keys' mask")
+        st_ = va.stats()
+        assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and st_["host_syncs"] == 1, st_
+        assert len(seen) == 2 * CHROMA_ATTN_LAYERS and all(s[-2] == 1 for s in seen), seen
+    finally:
+        costs.use(None)

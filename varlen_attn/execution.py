@@ -246,19 +246,35 @@ class Deferred:
         found.keep, found._made = self.keep, self._made
         return found
 
-    def factors(self, mask4: torch.Tensor, dtype: torch.dtype):
-        """``(outer [B, 1, S, S], keys [B, 1, 1, S], rows [B, S, 1, 1] in dtype)`` for a call whose
-        mask has the shape of the outer product of ``keep``, or None."""
+    def factors(self, mask4: torch.Tensor):
+        """``(outer [B, 1, S, S], keys [B, 1, 1, S])`` for a call whose mask has the shape of the
+        outer product of ``keep`` (its keys' mask: ``keep``, all keys where an element keeps
+        none), or None."""
         keep = self.keep
         if keep is None or tuple(mask4.shape) != (keep.shape[0], 1, keep.shape[1], keep.shape[1]) \
                 or mask4.device != keep.device:
             return None
-        made = self._made.get(dtype)
+        made = self._made.get("factors")
         if made is None:
             keys = torch.where(keep.any(dim=1, keepdim=True), keep, True)
-            made = self._made[dtype] = (keep[:, None, :, None] & keep[:, None, None, :], keys[:, None, None, :],
-                                        keep.to(dtype)[:, :, None, None])
+            made = self._made["factors"] = (keep[:, None, :, None] & keep[:, None, None, :], keys[:, None, None, :])
         return made
+
+    def rows(self, dtype: torch.dtype, bhsd: bool = False) -> torch.Tensor:
+        """``keep`` as the output's row scale: ``[B, S, 1, 1]`` (``[B, 1, S, 1]`` with ``bhsd``)."""
+        made = self._made.get((dtype, bhsd))
+        if made is None:
+            made = self._made[(dtype, bhsd)] = self.keep.to(dtype)[:, None, :, None] if bhsd \
+                else self.keep.to(dtype)[:, :, None, None]
+        return made
+
+    def flag(self, bad: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Keep ``bad`` for the forward's read, and return ``rows``; not read: ``rows`` NaN
+        where ``bad``."""
+        if self.flags is not None:
+            self.flags.append(bad)
+            return rows
+        return rows.masked_fill(bad, float("nan"))
 
 
 UNREAD = Deferred()  # a recomputation's checks, without the model's mask: each call's own factors
@@ -277,22 +293,19 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
     if decision is not None and decision.stock:
         _stats.record_route(decision.reason)
         return run(q, k, v, None, mask4, stock_route(mask4, policy), opts)
-    made = checks.factors(mask4, q.dtype) if checks is not None else None
+    made = checks.factors(mask4) if checks is not None else None
     if made is not None:
-        outer, keys, rows = made
-        bad = mask4.ne(outer).any()
-    else:
-        keep_q, keys, bad = outer_factors(mask4)
-        keys, rows = keys[:, None, None, :], keep_q.to(q.dtype)[:, :, None, None]
+        outer, keys = made
+        return attend(q, k, v, keys, opts, policy) * checks.flag(mask4.ne(outer).any(), checks.rows(q.dtype))
+    keep_q, keys, bad = outer_factors(mask4)
+    rows = keep_q.to(q.dtype)[:, :, None, None]
     if checks is None:
         _stats.record_host_sync()
         if bad.item():
             return attend(q, k, v, mask4, opts, policy)
-    elif checks.flags is not None:
-        checks.flags.append(bad)  # read when the forward ends, which runs a failed one again
     else:
-        rows = rows.masked_fill(bad, float("nan"))
-    return attend(q, k, v, keys, opts, policy) * rows
+        rows = checks.flag(bad, rows)
+    return attend(q, k, v, keys[:, None, None, :], opts, policy) * rows
 
 
 def rerouted(backend: str, first, choose, call):

@@ -105,19 +105,27 @@ def _sdpa(*args, **kwargs):
     entry = current()
     mask = kwargs.get("attn_mask") if len(args) < 4 else args[3]
     # No mask: the function replaced, untouched and not counted (it already is the fastest path);
-    # likewise a call auto leaves to stock by cost, which stock checks and runs as it is.
-    if entry is None or mask is None or _left_to_stock(entry.policy, args, kwargs, mask):
+    # likewise a call auto leaves to stock by cost, which stock checks and runs.
+    if entry is None or mask is None:
         return _replaced[0](*args, **kwargs)
+    out = _left_to_stock(entry, args, kwargs, mask)
+    if out is not None:
+        return out
     return sdpa_with_policy(*args, **kwargs, policy=entry.policy, checks=entry.checks)
 
 
-def _left_to_stock(policy, args, kwargs, mask) -> bool:
-    """auto routes this eager call to stock's masked SDPA by cost (:mod:`varlen_attn.costs`):
-    decided here, before any check or conversion of ours, so that such a call costs a lookup
-    over stock. Only where the mask reaches SDPA as stock reads it (bool, or float under
-    ``float_mask="bias"``); every other call takes the full path, which decides the same way."""
+def _left_to_stock(entry: Entry, args, kwargs, mask):
+    """The output where auto routes this eager call to stock's masked SDPA by cost
+    (:mod:`varlen_attn.costs`), else None: decided here, before any check or conversion of ours,
+    so that such a call costs a lookup over stock. Only where the mask reaches SDPA as stock reads
+    it (bool, or float under ``float_mask="bias"``), or else as the key-padding call it stands
+    for: a bool mask of the shape of the outer product of the forward's model mask
+    (:meth:`varlen_attn.execution.Deferred.factors`; its check kept for the forward's read, as in
+    :func:`varlen_attn.execution.attend_outer`); every other call takes the full path, which
+    decides the same way."""
+    policy = entry.policy
     if policy.backend != "auto" or not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling():
-        return False
+        return None
     n = len(args)
     q = args[0] if n > 0 else kwargs.get("query")
     k = args[1] if n > 1 else kwargs.get("key")
@@ -125,14 +133,32 @@ def _left_to_stock(policy, args, kwargs, mask) -> bool:
     if ((args[5] if n > 5 else kwargs.get("is_causal", False)) is not False
             or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))
             or (mask.is_floating_point() and policy.float_mask != "bias")):
-        return False
+        return None
     qs, ks, vs = q.shape, k.shape, v.shape
     if not len(qs) == len(ks) == len(vs) == 4:
-        return False
-    found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], costs.layout_of(mask.shape))
+        return None
+    layout = costs.layout_of(mask.shape)
+    found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], layout)
     if found.stock:
         _stats.record_route(found.reason, SDPA)
-    return found.stock
+        return _replaced[0](*args, **kwargs)
+    checks = entry.checks
+    made = (checks.factors(mask) if checks is not None and layout == "outer" and mask.dtype == torch.bool
+            and qs[0] == mask.shape[0] and qs[2] == ks[2] == mask.shape[-1] else None)
+    if made is None:
+        return None
+    found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], "key_padding")
+    if not found.stock:
+        return None
+    _stats.record_route(found.reason, SDPA)
+    outer, keys = made
+    bad = mask.ne(outer).any()
+    if n > 3:
+        args = (*args[:3], keys, *args[4:])
+    else:
+        kwargs = {**kwargs, "attn_mask": keys}
+    out = _replaced[0](*args, **kwargs)
+    return out * checks.flag(bad, checks.rows(out.dtype, bhsd=True))
 
 
 _sdpa.__doc__ = TORCH_SDPA.__doc__
