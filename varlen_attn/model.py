@@ -329,7 +329,9 @@ class _Boundary:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # inlined into a graph traced inside the forward: its entry is there
             return self.inner(*args, **kwargs)
-        push(Entry(self.state.policy(), owner=self))
+        # The checks of the forward (or recomputation) it runs in, for calls it runs eagerly.
+        top = current()
+        push(Entry(self.state.policy(), owner=self, checks=None if top is None else top.checks))
         try:
             return self.inner(*args, **kwargs)
         finally:
