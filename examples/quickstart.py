@@ -6,9 +6,11 @@ prompt lengths per sample, one empty prompt (caption dropout). The same attentio
 two masks: key padding ``[B, 1, 1, S]`` (Qwen-Image, Flux) and the outer product ``[B, 1, S, S]``
 (Chroma); and once more with a plan built by ``build_plan`` and passed to every layer. For each
 path it prints the difference to stock and varlen_attn's own counts (``va.stats()``): plan
-builds and host reads per pass. A key-padding mask is planned on the device with no host read;
-any other mask with one read per call, and built once (later calls find their mask equal to the
-first's); a plan built once by ``build_plan`` costs one read for all layers.
+builds and host reads per pass. A key-padding mask is planned on the device with no host read.
+The outer product runs as the key-padding call of its keys' mask, its plan built on the device
+in every call, with one read per call here: the check that it is that outer product (inside an
+enabled Chroma, the checks of a forward are read once, when it ends). A plan built once by
+``build_plan`` costs one read for all layers.
 
 Runs on the CPU by default and on a GPU when one is present:
 
@@ -117,9 +119,10 @@ def main():
                      + ", ".join(f"{k} x{c}" for k, c in st["backends"].items())
                      + (f"; fallbacks {st['fallbacks']}" if st["fallbacks"] else ""))
         print(line.rstrip())
-    print(f"A key-padding mask gets its plan on the device with no host read; any other mask (Chroma's outer "
-          f"product) costs one read per call, and one build per distinct mask; build_plan once per batch "
-          f"shares one read among all {args.layers} layers.")
+    print(f"A key-padding mask gets its plan on the device with no host read; Chroma's outer product runs as "
+          f"the key-padding call of its keys' mask, a plan per call, and one read per call to check it (an "
+          f"enabled Chroma reads its checks once per forward); build_plan once per batch shares one read among "
+          f"all {args.layers} layers.")
     if not gpu:
         print("(no timings on the CPU: speed is not the point there, its backends exist for correctness)")
     tol = 1e-5 if dtype == torch.float32 else 3e-2
