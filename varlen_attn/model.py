@@ -129,8 +129,8 @@ def _leave_model(model, args, kwargs, output):
     _stats.record_host_sync()
     if not torch.stack(flags).any().item():
         return None
-    reason = ("a boolean mask with rows is no outer product of its query and key masks: the forward ran "
-              "again, each such call checked as it came")
+    reason = ("a boolean attention mask with rows is not the outer product of the model's mask: the "
+              "forward ran again, each such call checked as it came")
     if entry.policy.strict:
         raise NotPackableError(reason.split(":")[0] + " (strict=True: the forward is not run again)")
     _stats.record_fallback(reason)
