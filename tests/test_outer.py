@@ -200,3 +200,27 @@ def test_chroma_calls_left_to_stock_as_key_padding_see_no_rows_and_equal_stock(m
         assert len(seen) == 2 * CHROMA_ATTN_LAYERS and all(s[-2] == 1 for s in seen), seen
     finally:
         costs.use(None)
+
+
+def test_chroma_with_the_pipelines_float_mask_reads_once_per_forward():
+    """ChromaPipeline passes a float 0/1 mask (read as keep/drop, float_mask="bool"): its values
+    are checked on the device with the forward's other checks, and each block's float outer
+    product runs with its factors, one read a step, equal to the model given the bool mask. A
+    float mask of other values fails that check: the forward runs again and reads it as stock
+    does (an additive bias)."""
+    stock = tiny_chroma()
+    enabled = va.enable_varlen(copy.deepcopy(stock))
+    enabled.enable_gradient_checkpointing()
+    ref = step(stock, chroma_inputs())  # the bool mask
+    va.reset_stats()
+    assert_model_close(step(enabled, chroma_inputs(mask_dtype=torch.float64)), ref, what="float 0/1")
+    st_ = va.stats()
+    assert st_["host_syncs"] == 1 and not st_["fallbacks"], st_
+    assert sum(st_["backends"].values()) == 2 * CHROMA_ATTN_LAYERS, st_
+
+    biased = chroma_inputs(mask_dtype=torch.float64)
+    biased["attention_mask"] = biased["attention_mask"] * 0.5  # 0 / 0.5: a bias, not a keep-mask
+    ref = step(stock, biased)
+    va.reset_stats()
+    assert_model_close(step(enabled, biased), ref, what="float bias")
+    assert any("not the outer product of the model's mask" in r for r in va.stats()["fallbacks"]), va.stats()

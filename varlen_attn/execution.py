@@ -219,31 +219,45 @@ def attend(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | None = None
     return rerouted(policy.backend, first, choose, lambda r: run(q, k, v, plan, mask4, r, opts))[1]
 
 
-def factorable(mask4, opts: Options, policy) -> bool:
-    """A call :func:`attend_outer` runs: a boolean mask with rows, the same in every head
-    (``[B|1, 1, Sq, Sk]``, Sq > 1), not causal, for a varlen backend or auto."""
-    return (mask4 is not None and mask4.dtype == torch.bool and mask4.shape[1] == 1 and mask4.shape[2] > 1
-            and not opts.causal and policy.backend != SDPA)
+def factorable(mask4, opts: Options, policy, checks: Deferred | None = None) -> bool:
+    """A call :func:`attend_outer` runs: a mask with rows, the same in every head
+    (``[B|1, 1, Sq, Sk]``, Sq > 1), not causal, for a varlen backend or auto; boolean, or a float
+    0/1 mask of the shape of the model's own (``checks.float01``: read as boolean)."""
+    if mask4 is None or mask4.shape[1] != 1 or mask4.shape[2] <= 1 or opts.causal or policy.backend == SDPA:
+        return False
+    return mask4.dtype == torch.bool or (checks is not None and checks.float01 and checks.factors(mask4) is not None)
 
 
 class Deferred:
     """How :func:`attend_outer` treats its device checks. ``flags`` a list: one forward of a model in
     :data:`varlen_attn.model.OUTER_MASKS`, whose flags are read once when it ends; None: a
     recomputation in backward of such a forward, after its checks passed: not read, a failed
-    flag makes the rows NaN (:data:`UNREAD`). ``keep``: the ``[B, S]`` bool mask the model was
-    called with; its factors are made once (:meth:`factors`), and a call whose mask equals their
-    outer product in value (one comparison on the device) runs with them, so that the mask each
-    block re-derives costs two tensor ops, not a reading of its own."""
+    flag makes the rows NaN (:data:`UNREAD`). ``keep``: the ``[B, S]`` mask the model was called
+    with, boolean (``float01``: a float mask read as one, its values checked to be 0 or 1 with a
+    1 among them, the first flag); its factors are made once (:meth:`factors`), and a call whose
+    mask equals their outer product in value (one comparison on the device) runs with them, so
+    that the mask each block re-derives costs two tensor ops, not a reading of its own."""
 
-    def __init__(self, keep: torch.Tensor | None = None, flags: list | None = None):
+    def __init__(self, keep: torch.Tensor | None = None, flags: list | None = None, float01: bool = False):
         self.flags = flags
-        self.keep = keep if isinstance(keep, torch.Tensor) and keep.dtype == torch.bool and keep.dim() == 2 else None
+        self.float01 = False
+        if not (isinstance(keep, torch.Tensor) and keep.dim() == 2 and (keep.dtype == torch.bool or float01)):
+            keep = None
+        elif keep.dtype != torch.bool:
+            if not keep.is_floating_point():
+                keep = None
+            else:
+                self.float01 = True
+                if flags is not None:
+                    flags.append(((keep != 0) & (keep != 1)).any() | (keep != 1).all())
+                keep = keep != 0
+        self.keep = keep
         self._made: dict = {}
 
     def unread(self) -> Deferred:
         """The same factors, for the forward's recomputation: flags not read."""
         found = Deferred(None)
-        found.keep, found._made = self.keep, self._made
+        found.keep, found._made, found.float01 = self.keep, self._made, self.float01
         return found
 
     def factors(self, mask4: torch.Tensor):

@@ -119,7 +119,8 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     (:mod:`varlen_attn.costs`), else None: decided here, before any check or conversion of ours,
     so that such a call costs a lookup over stock. Only where the mask reaches SDPA as stock reads
     it (bool, or float under ``float_mask="bias"``), or else as the key-padding call it stands
-    for: a bool mask of the shape of the outer product of the forward's model mask
+    for: a mask of the shape of the outer product of the forward's model mask (bool, or float
+    0/1 where the model's is, read as bool)
     (:meth:`varlen_attn.execution.Deferred.factors`; its check kept for the forward's read, as in
     :func:`varlen_attn.execution.attend_outer`); every other call takes the full path, which
     decides the same way."""
@@ -131,19 +132,21 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     k = args[1] if n > 1 else kwargs.get("key")
     v = args[2] if n > 2 else kwargs.get("value")
     if ((args[5] if n > 5 else kwargs.get("is_causal", False)) is not False
-            or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))
-            or (mask.is_floating_point() and policy.float_mask != "bias")):
+            or not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))):
         return None
     qs, ks, vs = q.shape, k.shape, v.shape
     if not len(qs) == len(ks) == len(vs) == 4:
         return None
     layout = costs.layout_of(mask.shape)
-    found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], layout)
-    if found.stock:
-        _stats.record_route(found.reason, SDPA)
-        return _replaced[0](*args, **kwargs)
+    as_bool = mask.is_floating_point() and policy.float_mask != "bias"  # stock would read a bias
+    if not as_bool:
+        found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], layout)
+        if found.stock:
+            _stats.record_route(found.reason, SDPA)
+            return _replaced[0](*args, **kwargs)
     checks = entry.checks
-    made = (checks.factors(mask) if checks is not None and layout == "outer" and mask.dtype == torch.bool
+    made = (checks.factors(mask) if checks is not None and layout == "outer"
+            and (checks.float01 if as_bool else mask.dtype == torch.bool)
             and qs[0] == mask.shape[0] and qs[2] == ks[2] == mask.shape[-1] else None)
     if made is None:
         return None

@@ -25,7 +25,7 @@ from ._errors import InputTypeError, NotPackableError, check_bool, warn_once
 from .execution import UNREAD, Deferred
 from .hook import Entry, current, install, installed, pop_entry_of, push
 from .kernels import requested_backend
-from .policy import Policy
+from .policy import Policy, float_mask_read_as_bool, mask_info
 from .trim import param_names, trim_text
 
 from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
@@ -101,7 +101,11 @@ def _enter_model(model, args, kwargs):
     state.redone = False
     checks = None
     if state.defers is not None and not compiling:
-        checks = Deferred(_argument(model, args, kwargs, state.defers), [])
+        keep = _argument(model, args, kwargs, state.defers)
+        float01 = state.float_mask == "bool"
+        checks = Deferred(keep, [], float01)
+        if checks.float01:
+            float_mask_read_as_bool(state.float_mask, mask_info(keep.dtype, keep.shape))
     push(Entry(state.policy(), mask if isinstance(mask, torch.Tensor) else None, model, checks))
     return trimmed
 
@@ -129,8 +133,8 @@ def _leave_model(model, args, kwargs, output):
     _stats.record_host_sync()
     if not torch.stack(flags).any().item():
         return None
-    reason = ("a boolean attention mask with rows is not the outer product of the model's mask: the "
-              "forward ran again, each such call checked as it came")
+    reason = ("an attention mask with rows is not the outer product of the model's mask, or the model's "
+              "float mask is not 0/1: the forward ran again, each such call checked as it came")
     if entry.policy.strict:
         raise NotPackableError(reason.split(":")[0] + " (strict=True: the forward is not run again)")
     _stats.record_fallback(reason)
