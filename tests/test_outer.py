@@ -224,3 +224,58 @@ def test_chroma_with_the_pipelines_float_mask_reads_once_per_forward():
     va.reset_stats()
     assert_model_close(step(enabled, biased), ref, what="float bias")
     assert any("not the outer product of the model's mask" in r for r in va.stats()["fallbacks"]), va.stats()
+
+
+def corrupt_when(model, when):
+    """As :func:`corrupt_one_block`, for the masks ``when`` selects only."""
+    attn = next(m for m in model.modules() if hasattr(m, "processor"))
+
+    def pre(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if mask is not None and when(mask):
+            mask = mask.clone()
+            mask[..., 0] = True
+            kwargs = {**kwargs, "attention_mask": mask}
+        return args, kwargs
+
+    attn.register_forward_pre_hook(pre, with_kwargs=True)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_a_forward_run_again_recomputes_with_each_call_read_whatever_ran_between(reentrant):
+    """A forward whose check failed runs again; its checkpointed blocks' recomputation then reads
+    each call's check, also where another forward of the model (a no-grad sampling step) ran
+    before the backward."""
+    import functools
+
+    from _models import loss
+
+    stock = tiny_chroma()
+    enabled = va.enable_varlen(copy.deepcopy(stock))
+    enabled.enable_gradient_checkpointing(gradient_checkpointing_func=functools.partial(
+        torch.utils.checkpoint.checkpoint, use_reentrant=reentrant))
+    for m in (stock, enabled):
+        corrupt_when(m, lambda mask: mask.shape[0] == 2)  # the first forward's masks only
+    first = {k: (v[:2] if isinstance(v, torch.Tensor) and k not in ("img_ids", "txt_ids") else v)
+             for k, v in chroma_inputs().items()}
+
+    def run(m):
+        m.zero_grad(set_to_none=True)
+        out = m(**first)[0]
+        with torch.no_grad():
+            m(**chroma_inputs())
+        loss(out).backward()
+        return out.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}
+
+    assert_model_close(run(enabled), run(stock), what="run again, then another forward")
+
+
+def test_a_forward_hook_of_the_users_sees_the_output_of_a_forward_run_again():
+    stock = tiny_chroma()
+    stock.register_forward_hook(lambda mod, args, out: (out[0] * 2,) + tuple(out[1:]))
+    enabled = va.enable_varlen(copy.deepcopy(stock))
+    batch = chroma_inputs(mask_dtype=torch.float64)
+    batch["attention_mask"] = batch["attention_mask"] * 0.5  # not 0/1: the forward runs again
+    va.reset_stats()
+    assert_model_close(step(enabled, batch), step(stock, batch), what="user hook after a rerun")
+    assert va.stats()["fallbacks"], va.stats()

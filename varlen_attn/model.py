@@ -48,7 +48,6 @@ class _State:
         self.checkpointed: list[torch.nn.Module] = []
         self.compiled: list[tuple[torch.nn.Module, str]] = []  # (module, attribute) given a _Boundary
         self.defers = None  # the model's mask argument where it is in OUTER_MASKS: checks read once per forward
-        self.redone = False  # this step's forward ran again (a check failed): its recomputation reads each
         self._policy: Policy | None = None
 
     def policy(self) -> Policy:
@@ -98,7 +97,6 @@ def _enter_model(model, args, kwargs):
         _install_compiled(model, state)  # modules compiled since the last forward get theirs now
         if not installed():
             _warn_replaced()
-    state.redone = False
     checks = None
     if state.defers is not None and not compiling:
         keep = _argument(model, args, kwargs, state.defers)
@@ -131,16 +129,14 @@ def _leave_model(model, args, kwargs, output):
         return None
     flags, entry.checks = entry.checks.flags, None
     _stats.record_host_sync()
-    if not torch.stack(flags).any().item():
+    device = flags[0].device  # a model split across devices checks on each: gathered for the read
+    if not torch.stack([f if f.device == device else f.to(device) for f in flags]).any().item():
         return None
     reason = ("an attention mask with rows is not the outer product of the model's mask, or the model's "
               "float mask is not 0/1: the forward ran again, each such call checked as it came")
     if entry.policy.strict:
         raise NotPackableError(reason.split(":")[0] + " (strict=True: the forward is not run again)")
     _stats.record_fallback(reason)
-    state = model.__dict__.get("_varlen_state")
-    if state is not None:
-        state.redone = True
     push(Entry(entry.policy, entry.checkpoint_mask, model))
     try:
         return model.forward(*args, **kwargs)
@@ -157,9 +153,11 @@ def _enter_attention(module, args):
     top = current()
     if top is not None and top.policy is state._policy:
         return  # inside its model's forward: that entry routes the module (its leave pops only its own)
-    # In backward, the recomputation of a checkpointed block of a forward whose checks passed: its
-    # masks are those the checks read (poisoned, not read, should one differ).
-    unread = state.defers is not None and not state.redone and torch._C._current_autograd_node() is not None
+    # In backward, the recomputation of a block the caller checkpointed (diffusers' checkpointing
+    # binds its forward's checks, _Recomputed): its masks are those its forward checked (not read;
+    # rows NaN should one differ). A forward run again after a failed check, with such a block,
+    # therefore fails loudly in its backward (NaN, or torch's CheckpointError), never silently.
+    unread = state.defers is not None and torch._C._current_autograd_node() is not None
     push(Entry(state.policy(), owner=module, checks=UNREAD if unread else None))
 
 
@@ -178,7 +176,8 @@ def _warn_replaced() -> None:
 
 def _add_hooks(module, pre, post, with_kwargs=False, post_kwargs=False) -> None:
     module.register_forward_pre_hook(pre, with_kwargs=with_kwargs)
-    module.register_forward_hook(post, with_kwargs=post_kwargs, always_call=True)
+    # First among the forward hooks: the user's see the output of a forward run again.
+    module.register_forward_hook(post, with_kwargs=post_kwargs, always_call=True, prepend=post_kwargs)
 
 
 def _remove_hooks(module, *fns) -> None:
@@ -394,16 +393,19 @@ class _Checkpoint:
                           "differ from stock's on purpose). enable_varlen(..., restore_checkpoint_mask=False) "
                           "keeps stock's behaviour.", type(block).__name__)
             args = restored
-        if entry is not None and entry.checks is not None and entry.checks.keep is not None:
-            block = _Recomputed(block, entry.policy, entry.checks.unread())
+        state = getattr(entry.owner, "_varlen_state", None) if entry is not None else None
+        if state is not None and state.defers is not None and not torch.compiler.is_compiling():
+            # Its recomputation with this forward's checks: not read, the factors reused; or, in a
+            # forward run again after a failed check (no checks), read in each call.
+            block = _Recomputed(block, entry.policy, None if entry.checks is None else entry.checks.unread())
         return self.func(block, *args, **kwargs)
 
 
 class _Recomputed:
-    """A checkpointed block of a forward whose device checks are deferred (a model in
-    ``OUTER_MASKS``): called again in backward, it runs with that forward's mask factors, its
-    checks not read (:class:`varlen_attn.execution.Deferred`); the forward's own call passes
-    through. A forward whose checks failed ran again without factors, so its blocks are not."""
+    """A checkpointed block of a forward of a model in ``OUTER_MASKS``: called again in backward,
+    it runs with that forward's checks (:class:`varlen_attn.execution.Deferred`: its mask
+    factors, flags not read), or with none (``checks`` None: a forward run again after a failed
+    check; each call reads its own); the forward's own call passes through."""
 
     def __init__(self, block, policy, checks):
         self.block, self.policy, self.checks = block, policy, checks
