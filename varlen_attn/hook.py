@@ -47,14 +47,15 @@ class Entry:
     for a model's forward the mask handed back to checkpointed blocks that diffusers calls
     without it (``model._Checkpoint``), and the module that pushed it (its hook that always runs
     after the forward takes off its own entry only, also where an earlier pre-hook raised).
-    ``checks``: an eager model forward's device checks, read once when it ends
-    (:func:`varlen_attn.execution.attend_outer`). ``below``: the entry under it (the stack is a
-    chain from the top, :func:`push`)."""
+    ``checks``: how masks with rows are checked (:class:`varlen_attn.execution.Deferred`): an
+    eager forward's of a model in ``OUTER_MASKS``, read once when it ends; its recomputation's,
+    not read; None, read in each call. ``below``: the entry under it (the stack is a chain from
+    the top, :func:`push`)."""
 
     policy: Policy
     checkpoint_mask: torch.Tensor | None = None
     owner: object = None
-    checks: object = None  # execution.Deferred, execution.UNREAD or None
+    checks: object = None  # an execution.Deferred or None
     below: Entry | None = None
 
 
