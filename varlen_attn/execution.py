@@ -239,20 +239,16 @@ class Deferred:
     that the mask each block re-derives costs two tensor ops, not a reading of its own."""
 
     def __init__(self, keep: torch.Tensor | None = None, flags: list | None = None, float01: bool = False):
-        self.flags = flags
-        self.float01 = False
-        if not (isinstance(keep, torch.Tensor) and keep.dim() == 2 and (keep.dtype == torch.bool or float01)):
-            keep = None
-        elif keep.dtype != torch.bool:
-            if not keep.is_floating_point():
-                keep = None
-            else:
-                self.float01 = True
-                if flags is not None:
-                    flags.append(((keep != 0) & (keep != 1)).any() | (keep != 1).all())
-                keep = keep != 0
-        self.keep = keep
+        self.flags, self.float01, self.keep = flags, False, None
         self._made: dict = {}
+        if not (isinstance(keep, torch.Tensor) and keep.dim() == 2):
+            return
+        if keep.dtype == torch.bool:
+            self.keep = keep
+        elif float01 and keep.is_floating_point():
+            self.float01, self.keep = True, keep != 0
+            if flags is not None:  # not 0/1, or no 1 at all: not the keep-mask it is read as
+                flags.append(((keep != 0) & (keep != 1)).any() | (keep != 1).all())
 
     def unread(self) -> Deferred:
         """The same factors, for the forward's recomputation: flags not read."""

@@ -196,7 +196,7 @@ def outer_factors(mask4: torch.Tensor):
     False exactly when the mask equals ``keep_q`` x ``keep_k``. Masked SDPA with the mask is
     then SDPA with the key-padding mask ``keep_k`` with its rows multiplied by ``keep_q``: a
     row with no key is zeros in both, and its zero output gradient gives nothing to q, k or v.
-    Six tensor ops and no sync: this runs in every attention call of a host-bound step."""
+    A few tensor ops and no sync: this runs in every attention call of a host-bound step."""
     m = mask4[:, 0]  # dims counted from the front (read_padding says why)
     keep_q, keep_k = m.any(dim=2), m.any(dim=1)
     bad = m.ne(keep_q[:, :, None] & keep_k[:, None, :]).any()

@@ -127,7 +127,7 @@ def _leave_model(model, args, kwargs, output):
     if (entry is None or entry.owner is not model or entry.checks is None or not entry.checks.flags
             or output is None or torch.compiler.is_compiling()):
         return None
-    flags, entry.checks = entry.checks.flags, None
+    flags = entry.checks.flags
     _stats.record_host_sync()
     device = flags[0].device  # a model split across devices checks on each: gathered for the read
     if not torch.stack([f if f.device == device else f.to(device) for f in flags]).any().item():

@@ -412,8 +412,7 @@ def _stock_by_cost(q, k, mask4, opts: Options, policy: Policy) -> bool:
     one_row = statically_known_true(mask4.shape[2] == 1)
     in_graph = (policy.in_graph and one_row and mask4.dtype == torch.bool
                 and statically_known_true(mask4.shape[1] == 1))  # is_key_padding, read so
-    layout = "key_padding" if one_row else "outer"
-    bound = _cost_bound(q.dtype, q.device.type, q.device.index, layout, in_graph,
+    bound = _cost_bound(q.dtype, q.device.type, q.device.index, "key_padding" if one_row else "outer", in_graph,
                         in_graph and rows_are_short(k.shape[1]))
     return statically_known_true(q.shape[1] * k.shape[1] < bound)
 

@@ -663,14 +663,14 @@ def _padding_plan(batch: int, sq: int, sk: int, q_side, k_side, dead, read_as_bo
 
 
 class _CallPlans:
-    """The plans of attention calls' masks other than boolean key padding (and other than the
-    boolean outer products :func:`varlen_attn.execution.attend_outer` runs as key padding: float
-    masks, per-head masks, masks that are no outer product), each kept with a copy of the mask it
-    was built from, one per mask shape and reading (``key``). A call takes the plan only where its
-    mask equals the copy in value (compared on the device: the call's one host read), so a model
-    whose layers each derive the same mask (Chroma's float 0/1 ``[B, 1, S, S]`` from its
-    pipeline, 114 calls a training step at full depth) builds its plan once per distinct mask,
-    and a mask that differs in any value, however it was made or written, is built anew.
+    """The plans of attention calls' masks other than boolean key padding and other than the
+    outer products :func:`varlen_attn.execution.attend_outer` runs as key padding (additive and
+    other float masks, per-head masks, masks that are no outer product), each kept with a copy of
+    the mask it was built from, one per mask shape and reading (``key``). A call takes the plan
+    only where its mask equals the copy in value (compared on the device: the call's one host
+    read), so a model whose layers each derive the same such mask builds its plan once per
+    distinct mask, and a mask that differs in any value, however it was made or written, is
+    built anew.
 
     Why: building in every call cost Chroma's 1024 px training step 1.35x -> 1.17x over stock
     (H200, FA4); with the kept plan it ran 1.29x (benchmarks/NOTES.md entry 48). The copy keeps a broadcast dim at size 1 and costs the mask's memory once per
