@@ -44,6 +44,8 @@ SHAPES = {
     # Chroma at 1024 px and 512 px, batch 3; the third prompt is near caption dropout.
     "chroma1024": Shape(3, 512, 4096, (77, 300, 2)),
     "chroma512": Shape(3, 512, 1024, (77, 300, 2)),
+    # Qwen-Image at 1024 px: its text padded to the batch's longest prompt (key padding).
+    "qwen1024": Shape(3, 300, 4096, (77, 300, 2)),
     "video": Shape(1, 256, 19968, (200,)),
     "cross": Shape(3, 300, 4096, (20, 120, 1), cross=True),
     "tiny": Shape(3, 16, 48, (5, 12, 0), heads=2, head_dim=32),  # --device cpu smoke runs
@@ -194,6 +196,46 @@ def median_ms(fn, device: torch.device, *, backward: bool = False, warmup: int =
         if i >= warmup:
             times.append(sw.ms)
     return statistics.median(times)
+
+
+def gpu_ms(fn, device: torch.device, *, calls: int = 10, rounds: int = 5) -> float:
+    """Median over ``rounds`` of the GPU time per forward + backward of ``fn()``, host excluded:
+    the GPU first sleeps long enough for the host to queue all ``calls`` (CUDA events then see
+    the kernels back to back). Wall time per call on the CPU."""
+    fwd_bwd(fn)
+    times = []
+    for _ in range(rounds):
+        sync(device)
+        if device.type == "cuda":
+            torch.cuda._sleep(int(2e6 * 100))  # ~100 ms at ~2 GHz
+        with Stopwatch(device) as sw:
+            for _ in range(calls):
+                fwd_bwd(fn)
+        times.append(sw.ms / calls)
+    return statistics.median(times)
+
+
+def kernel_profile(fn, device: torch.device, calls: int = 3, top: int = 25) -> str:
+    """The GPU kernels of ``calls`` forward + backward calls of ``fn()``, by total time (the
+    torch profiler's table), and the number of kernels a call launches."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fwd_bwd(fn)
+    sync(device)
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fwd_bwd(fn)
+        sync(device)
+    def self_time(r):
+        return r.self_device_time_total if cuda else r.self_cpu_time_total
+
+    rows = [r for r in prof.key_averages() if self_time(r) > 0]
+    per_call = sum(self_time(r) for r in rows) / calls / 1e3
+    launches = sum(r.count for r in rows) / calls
+    head = f"{launches:.0f} kernels a call, {per_call:.3f} ms of kernel time a call\n"
+    return head + prof.key_averages().table(sort_by="self_cuda_time_total" if cuda else "self_cpu_time_total", row_limit=top,
+                                            max_name_column_width=70)
 
 
 def peak_extra_mib(fn, device: torch.device, base_bytes: int) -> float:

@@ -3,6 +3,7 @@
     python benchmarks/attention.py [--json out.json] [--png out.png] [--shapes chroma1024,...]
     python benchmarks/attention.py --from-json out.json [--png out.png]   # re-print a saved run
     python benchmarks/attention.py --device cpu                           # smoke run, tiny shape
+    python benchmarks/attention.py --per-call [--profile] [--shapes qwen1024,chroma1024]
 
 For each shape, side by side in one run: forward and forward+backward time (median of CUDA-event
 timings after warm-up) and peak extra memory over the inputs, for
@@ -17,6 +18,13 @@ timings after warm-up) and peak extra memory over the inputs, for
   - varlen_attn auto called from a torch.compile'd function (its custom op).
 Ratios against the floor (the first installed kernel in auto's order) and against stock masked
 SDPA are printed and saved.
+
+``--per-call``: one call as a model makes it, GPU time only (the host queues the calls while
+the GPU sleeps, so host time is excluded): ``varlen_attn.scaled_dot_product_attention`` on the
+SDPA layout ``[B, H, S, D]`` (views of ``[B, S, H, D]`` tensors, as diffusers' processors hand
+it), the plan built from the call's own mask every call, for each installed backend, against
+its kernel alone on tokens packed beforehand; the mask as the model gives it (Qwen-Image: key
+padding; Chroma: the outer product). ``--profile`` adds each row's GPU kernels.
 """
 
 from __future__ import annotations
@@ -114,6 +122,44 @@ def run_shape(name, device):
             "auto": auto, "rows": rows, "floor": floor, "stock": stock}
 
 
+def per_call(name, device, profile: bool, backends=None):
+    """``{label: GPU ms per forward + backward}`` of one call as a model makes it (see above)."""
+    inp = C.make_inputs(name, device)
+    q, k, v = inp.q, inp.k, inp.v
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+    outer = name.startswith("chroma")
+    mask = inp.full_mask if outer else inp.key_padding
+    plan = va.build_plan(mask, convention="torch", seqlen_q=q.shape[1])
+    qp, kp, vp = C.packed(inp, plan) if outer else (q.detach().flatten(0, 1).requires_grad_(),
+                                                    *C.packed(inp, plan)[1:])
+    rows, profiles = {}, {}
+    for backend in backends or C.varlen_backends(device):
+        kernel = C.kernel_alone(backend, plan, q.shape[-1] ** -0.5)
+        if kernel is not None:
+            rows[f"{backend} kernel alone, tokens packed beforehand"] = lambda f=kernel: f(qp, kp, vp)
+        rows[f"{backend} route, plan from the call's mask"] = (
+            lambda n=backend: va.scaled_dot_product_attention(qt, kt, vt, mask, backend=n))
+    rows["auto"] = lambda: va.scaled_dot_product_attention(qt, kt, vt, mask)
+    out = {}
+    for label, fn in rows.items():
+        try:
+            out[label] = C.gpu_ms(fn, device)
+            if profile:
+                profiles[label] = C.kernel_profile(fn, device)
+        except Exception as exc:  # reported, not hidden
+            out[label] = float("nan")
+            print(f"{name} {label}: {type(exc).__name__}: {str(exc)[:160]}")
+        for t in (q, k, v, qp, kp, vp):
+            t.grad = None
+    print(f"\n{inp.describe()}, mask {'outer product' if outer else 'key padding'} {tuple(mask.shape)}; "
+          f"GPU ms per call, forward + backward")
+    for label, ms in out.items():
+        print(f"  {label:<60}{ms:9.3f}")
+    for label, table in profiles.items():
+        print(f"\n--- {name}: {label}\n{table}")
+    return {"shape": name, "mask": "outer" if outer else "key_padding", "gpu_ms": out}
+
+
 def report(results, meta):
     print(json.dumps(meta))
     for r in results:
@@ -158,8 +204,19 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=None)
     ap.add_argument("--from-json", default=None, help="re-print and chart a saved run (no GPU needed)")
+    ap.add_argument("--per-call", action="store_true", help="one call as a model makes it, GPU time (above)")
+    ap.add_argument("--profile", action="store_true", help="with --per-call: each row's GPU kernels")
+    ap.add_argument("--backends", default=None, help="with --per-call: comma-separated (default: every installed)")
     C.add_device_argument(ap)
     args = ap.parse_args()
+    if args.per_call:
+        device = C.device_of(args)
+        names = C.shape_names(args.shapes, device, default="qwen1024,chroma1024")
+        results = [per_call(s, device, args.profile, args.backends and args.backends.split(",")) for s in names]
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump({"meta": C.environment(device), "per_call": results}, fh, indent=1)
+        return
     if args.from_json:
         with open(args.from_json) as fh:
             saved = json.load(fh)

@@ -76,39 +76,65 @@ def fake_fa4_interface(recorder):
     over varlen_attn_ref: forward returns (out, lse, ...); backward differentiates varlen_attn_ref."""
     iface = types.ModuleType("flash_attn.cute.interface")
 
+    def _used(q, cu_seqlens_q, seqused_q):
+        """Which query rows the kernel computes: those in a segment, within its ``seqused_q``."""
+        rows = torch.arange(q.shape[0])
+        seg = torch.searchsorted(cu_seqlens_q[1:].long(), rows, right=True)
+        used = rows < int(cu_seqlens_q[-1])
+        if seqused_q is not None:
+            start = cu_seqlens_q[:-1].long()[seg.clamp(max=len(cu_seqlens_q) - 2)]
+            used &= rows - start < seqused_q.long()[seg.clamp(max=len(cu_seqlens_q) - 2)]
+        return used
+
+    def _into(buffer, like, values, rows):
+        """As the real kernel writes: ``values`` into ``rows`` of the buffer it was handed, every
+        other row as it was; without one, a new tensor with NaN (what it likes) elsewhere."""
+        out = torch.full_like(like, float("nan")) if buffer is None else buffer
+        out[rows] = values[rows]
+        return out
+
     def _flash_attn_fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                        causal, return_lse):
+                        causal, return_lse, seqused_q=None, out=None):
         assert return_lse and cu_seqlens_q.dtype == torch.int32 and type(max_seqlen_q) is int
-        recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "fwd"})
+        assert seqused_q is None or seqused_q.dtype == torch.int32
+        recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "fwd",
+                               "seqused_q": seqused_q is not None, "out": out is not None})
         tq, tk = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])  # rows past them: read by no segment
-        out, lse, _ = varlen_attn_ref.flash_attn_varlen_func(
+        o, lse, _ = varlen_attn_ref.flash_attn_varlen_func(
             q[:tq], k[:tk], v[:tk], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
         assert lse.shape == (q.shape[1], tq) and lse.dtype == torch.float32
         rest = q.shape[0] - tq
-        return (torch.cat([out, out.new_zeros((rest, *out.shape[1:]))]),
-                torch.nn.functional.pad(lse, (0, rest)), None, None, None)
+        o = torch.cat([o, o.new_zeros((rest, *o.shape[1:]))])
+        used = _used(q, cu_seqlens_q, seqused_q)
+        return (_into(out, o, o, used), torch.nn.functional.pad(lse, (0, rest)).masked_fill(~used, 0), None, None,
+                None)
 
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, *, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k):
+                        max_seqlen_q, max_seqlen_k, seqused_q=None, dq=None, dk=None, dv=None):
         assert out.shape == dout.shape == q.shape[:2] + v.shape[-1:] and lse.shape == (q.shape[1], q.shape[0])
-        recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "bwd"})
+        recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "bwd",
+                               "seqused_q": seqused_q is not None, "grads": dq is not None})
         # The real entry point computes gradients itself; this fake differentiates varlen_attn_ref,
         # so inside the compiled custom op it needs autograd's dispatch keys back, and under
         # inference_mode to be off, with normal copies of its inputs.
         from varlen_attn.op import _autograd_dispatch
 
         tq, tk = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])
+        used = _used(q, cu_seqlens_q, seqused_q)
         with torch.inference_mode(False), _autograd_dispatch(), torch.enable_grad():
-            qd, kd, vd, dout, cu_seqlens_q, cu_seqlens_k = (
-                t.clone() for t in (q[:tq], k[:tk], v[:tk], dout[:tq], cu_seqlens_q, cu_seqlens_k))
+            qd, kd, vd, g, cu_seqlens_q, cu_seqlens_k = (
+                t.clone() for t in (q[:tq], k[:tk], v[:tk], dout.masked_fill(~used[:, None, None], 0)[:tq],
+                                    cu_seqlens_q, cu_seqlens_k))
             qd, kd, vd = (t.requires_grad_() for t in (qd, kd, vd))
             o = varlen_attn_ref.flash_attn_varlen_func(qd, kd, vd, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                    max_seqlen_k, softmax_scale=softmax_scale, causal=causal)
-            grads = torch.autograd.grad(o, (qd, kd, vd), dout)
-            # Past the last segment the real kernel leaves what it likes: NaN, which must not reach a gradient.
-            return tuple(torch.cat([g, g.new_full((t.shape[0] - g.shape[0], *g.shape[1:]), float("nan"))])
-                         for g, t in zip(grads, (q, k, v)))
+            grads = torch.autograd.grad(o, (qd, kd, vd), g)
+        # Past the last segment (and in skipped query rows) the real kernel writes nothing.
+        grads = [torch.cat([g, g.new_zeros((t.shape[0] - g.shape[0], *g.shape[1:]))]) for g, t in zip(grads, (q, k, v))]
+        keys = torch.arange(k.shape[0]) < tk
+        return tuple(_into(buf, t, g, rows) for buf, t, g, rows in
+                     zip((dq, dk, dv), (q, k, v), grads, (used, keys, keys)))
 
     iface._flash_attn_fwd, iface._flash_attn_bwd = _flash_attn_fwd, _flash_attn_bwd
     return iface
@@ -144,6 +170,56 @@ def test_flash_adapters_equal_sdpa(fake_flash, case, name):
     assert all(c["softmax_scale"] == case.q.shape[-1] ** -0.5 for c in calls)
     if name == "flash_attn_4" and calls:  # FA4 runs fused: its own forward and backward entries
         assert [c["entry"] for c in calls] == ["fwd", "bwd"]
+
+
+@pytest.mark.parametrize("layout", ["key_padding", "outer"])
+def test_fa4_writes_into_zeros_and_skips_dead_elements(fake_flash, layout, monkeypatch):
+    """FA4 (``INTO_ZEROS``) is handed zeros to write its output and gradients into, and
+    ``seqused_q`` skips the queries of an element with no valid key: that element's rows stay
+    zeros, the padding's twins past the last segment stay zeros, so unpacking is gathers alone
+    (no ``masked_fill`` or ``index_copy`` in the key-padding call), and every output and
+    gradient equals masked SDPA. The fake leaves NaN in any row it was not handed a buffer for and
+    did not write, as the real kernel leaves what it likes there."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    iface = sys.modules["flash_attn.cute.interface"]
+    for entry in ("_flash_attn_fwd", "_flash_attn_bwd"):  # the kernel's own ops are not counted
+        def quiet(*args, _f=getattr(iface, entry), **kwargs):
+            with _disable_current_modes():
+                return _f(*args, **kwargs)
+
+        monkeypatch.setattr(iface, entry, quiet)
+    keep = torch.tensor([[1, 1, 0, 1, 0, 1, 1], [0] * 7, [0, 1, 1, 1, 1, 0, 1]], dtype=torch.bool)
+    mask = keep[:, None, None, :] if layout == "key_padding" else keep[:, None, :, None] & keep[:, None, None, :]
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(3, 2, 7, 32, dtype=torch.float64, generator=g) for _ in range(3))
+    weights = torch.randn(3, 2, 7, 32, dtype=torch.float64, generator=g)
+
+    def grads(fn):
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        out = fn(qq, kk, vv)
+        (out * weights).sum().backward()
+        return [out.detach(), qq.grad, kk.grad, vv.grad]
+
+    class Ops(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim() > 1:  # on tokens, not per element
+                self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    ref = grads(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(a, b, c, attn_mask=mask))
+    before = len(fake_flash["flash_attn_4"].calls)
+    with Ops() as ops:
+        got = grads(lambda a, b, c: va.scaled_dot_product_attention(a, b, c, mask, backend="flash_attn_4", strict=True))
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    calls = fake_flash["flash_attn_4"].calls[before:]
+    assert [(c["entry"], c["seqused_q"], c.get("out", c.get("grads"))) for c in calls] == [
+        ("fwd", True, True), ("bwd", True, True)]
+    if layout == "key_padding":
+        assert not [n for n in ops.names if "masked_fill" in n or "index_copy" in n], ops.names
 
 
 def test_fused_equals_composed(fake_flash):
@@ -187,6 +263,8 @@ def test_fused_backward_lets_each_packed_gradient_go_once_scattered(monkeypatch)
     refs, copies = [], []
 
     class Kernel:  # a backward that returns three new packed gradients
+        INTO_ZEROS = False
+
         def backward(self, inp, out, lse, dout):
             grads = tuple(torch.randn(plan.total_q, 2, 8, generator=g) for _ in range(3))
             refs.extend(weakref.ref(t) for t in grads)
@@ -196,9 +274,9 @@ def test_fused_backward_lets_each_packed_gradient_go_once_scattered(monkeypatch)
     alive = []
     scatter = fused.scatter_packed
 
-    def spy(y, plan_, which):
+    def spy(y, plan_, which, zeros=False):
         alive.append([r() is not None for r in refs])
-        return scatter(y, plan_, which)
+        return scatter(y, plan_, which, zeros)
 
     monkeypatch.setattr(fused, "scatter_packed", spy)
     packed = [torch.randn(plan.total_q, 2, 8, generator=g) for _ in range(3)]

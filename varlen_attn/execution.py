@@ -148,13 +148,15 @@ def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> tor
         # Every query masked (caption dropout on a whole batch): nothing for a kernel to do.
         out = unpack(empty_output(inp) if plan.total_q == 0 else r.impl.forward(inp), plan, "q")
     _stats.record_backend(r.impl.NAME)  # once it ran: a kernel that refused the call did not
-    return zero_dead(out, plan)
+    return zero_dead(out, plan, r.impl if r.fused else None)
 
 
-def zero_dead(x: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+def zero_dead(x: torch.Tensor, plan: VarlenPlan, fused: Backend | None = None) -> torch.Tensor:
     """Padded ``[B, Sq, ...]`` with the rows of the plan's dead elements (:attr:`VarlenPlan.dead`:
-    no query attends a key) zeroed, as SDPA returns them; ``x`` itself where there are none."""
-    if plan.dead is None:
+    no query attends a key) zeroed, as SDPA returns them; ``x`` itself where there are none, or
+    where the fused route's kernel skipped them (``INTO_ZEROS``: zeros already, and their output
+    gradient is never read)."""
+    if plan.dead is None or (fused is not None and fused.INTO_ZEROS):
         return x
     return x.masked_fill(plan.dead.view((-1,) + (1,) * (x.dim() - 1)), 0)
 
@@ -335,14 +337,14 @@ def forward_lse(q, k, v, plan: VarlenPlan, r: Route, opts: Options):
     """A fused route's forward without autograd: ``(out [B, Sq, Hq, Dv], lse [Hq, total_q])``."""
     _, out, lse = packed_forward(r.impl, q, k, v, plan, r.scale, opts.causal)
     _stats.record_backend(r.impl.NAME)
-    return zero_dead(scatter_packed(out, plan, "q"), plan), lse
+    return zero_dead(scatter_packed(out, plan, "q", r.impl.INTO_ZEROS), plan, r.impl), lse
 
 
 def backward_native(dout, q, k, v, out, lse, plan: VarlenPlan, r: Route, opts: Options):
     """A fused route's backward from padded tensors (re-gathered): padded ``(dq, dk, dv)``."""
     packed = [gather_packed(t, plan, w) for t, w in ((q, "q"), (k, "k"), (v, "k"), (out, "q"))]
     inp = VarlenInputs(*packed[:3], plan, r.scale, opts.causal)
-    return packed_backward(r.impl, inp, packed[3], lse, zero_dead(dout, plan))
+    return packed_backward(r.impl, inp, packed[3], lse, zero_dead(dout, plan, r.impl))
 
 
 def sdpa_mask(plan: VarlenPlan | None, mask4: torch.Tensor | None) -> torch.Tensor | None:

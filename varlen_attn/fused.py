@@ -23,22 +23,31 @@ from .plan import VarlenPlan
 
 
 def packed_forward(impl: Backend, q, k, v, plan: VarlenPlan, scale: float, causal: bool):
-    """Padded ``[B, S, H, D]`` q, k, v -> ``(packed inputs, packed out, lse)``; no autograd."""
+    """Padded ``[B, S, H, D]`` q, k, v -> ``(packed inputs, packed out, lse)``; no autograd. An
+    ``INTO_ZEROS`` backend writes into zeros: rows it skips (dead elements, past the segments)
+    are zeros, as SDPA gives them."""
     inp = VarlenInputs(gather_packed(q, plan, "q"), gather_packed(k, plan, "k"), gather_packed(v, plan, "k"),
                        plan, scale, causal)
-    out, lse = impl.forward_lse(inp)
+    if impl.INTO_ZEROS:
+        out, lse = impl.forward_lse(inp, inp.q.new_zeros(inp.q.shape[:-1] + inp.v.shape[-1:]))
+    else:
+        out, lse = impl.forward_lse(inp)
     return inp, out, lse
 
 
 def packed_backward(impl: Backend, inp: VarlenInputs, out, lse, dout):
     """Packed inputs and output, padded output gradient -> padded ``(dq, dk, dv)``; no autograd."""
-    plan = inp.plan
-    dq, dk, dv = impl.backward(inp, out, lse, gather_packed(dout, plan, "q"))
+    plan, zeros = inp.plan, impl.INTO_ZEROS
+    dout = gather_packed(dout, plan, "q")
+    if zeros:
+        dq, dk, dv = impl.backward(inp, out, lse, dout, tuple(t.new_zeros(t.shape) for t in (inp.q, inp.k, inp.v)))
+    else:
+        dq, dk, dv = impl.backward(inp, out, lse, dout)
     # Each name rebound to its padded gradient lets the packed one go: the padded dk is made
     # without the packed dq alive, and dv without dq or dk (one packed gradient less per scatter).
-    dq = scatter_packed(dq, plan, "q")
-    dk = scatter_packed(dk, plan, "k")
-    dv = scatter_packed(dv, plan, "k")
+    dq = scatter_packed(dq, plan, "q", zeros)
+    dk = scatter_packed(dk, plan, "k", zeros)
+    dv = scatter_packed(dv, plan, "k", zeros)
     return dq, dk, dv
 
 
@@ -55,7 +64,7 @@ class FusedAttention(torch.autograd.Function):
         inp, out, lse = packed_forward(impl, q, k, v, plan, scale, causal)
         ctx.save_for_backward(inp.q, inp.k, inp.v, out, lse)
         ctx.plan, ctx.impl, ctx.scale, ctx.causal = plan, impl, scale, causal
-        return scatter_packed(out, plan, "q")
+        return scatter_packed(out, plan, "q", impl.INTO_ZEROS)
 
     @staticmethod
     @torch.autograd.function.once_differentiable

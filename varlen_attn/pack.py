@@ -13,10 +13,14 @@ from ._errors import InputValueError
 from .plan import VarlenPlan
 
 
-def _scatter(y, indices, rows, inverse=None, padding=None):
+def _scatter(y, indices, rows, inverse=None, padding=None, zeros=False):
     """Zeros of ``[rows, ...]`` with ``out[indices] = y``. With the plan's inverse index it is a
     gather plus a fill of only the padding rows: faster than ``index_copy_`` into a zero-filled
-    tensor (a slower scatter kernel and a full fill; benchmarks/NOTES.md, change 2)."""
+    tensor (a slower scatter kernel and a full fill; benchmarks/NOTES.md, change 2). ``zeros``:
+    ``y``'s rows past the segments are zeros (an ``INTO_ZEROS`` kernel's), so a static plan's
+    padding, whose twins they are, needs no fill: the gather alone."""
+    if zeros and inverse is not None and padding is not None and padding.dtype == torch.bool:
+        return y.index_select(0, inverse)
     if inverse is None and padding is not None and padding.dtype == torch.bool and y.shape[0] == rows:
         # A static plan without an inverse: ``indices`` permutes every row, so every row is written;
         # the padding's twins hold what the kernel left past cu_seqlens[-1]: filled.
@@ -127,10 +131,11 @@ def gather_packed(x: torch.Tensor, plan: VarlenPlan, which: str) -> torch.Tensor
     return flat if identity else flat.index_select(0, indices)
 
 
-def scatter_packed(y: torch.Tensor, plan: VarlenPlan, which: str) -> torch.Tensor:
-    """:func:`unpack` without autograd or shape checks (for callers that own the backward)."""
+def scatter_packed(y: torch.Tensor, plan: VarlenPlan, which: str, zeros: bool = False) -> torch.Tensor:
+    """:func:`unpack` without autograd or shape checks (for callers that own the backward);
+    ``zeros``: ``y``'s rows past the segments are zeros (:func:`_scatter`)."""
     indices, seqlen, identity, inverse, padding = _side(plan, which)
-    flat = y if identity else _scatter(y, indices, plan.batch_size * seqlen, inverse, padding)
+    flat = y if identity else _scatter(y, indices, plan.batch_size * seqlen, inverse, padding, zeros)
     return flat.reshape((plan.batch_size, seqlen) + tuple(y.shape[1:]))
 
 

@@ -109,6 +109,12 @@ class Backend:
     # True when forward_lse/backward call the kernel's own forward and backward entry points
     # (then pack + kernel + unpack run as one autograd node, varlen_attn.fused).
     NATIVE_BACKWARD: bool = False
+    # True when forward_lse and backward write into the zeros they are handed (``out``, ``grads``)
+    # and leave every row they compute nothing for as it was: rows past ``cu_seqlens[-1]``, and
+    # the queries of the plan's dead elements (VarlenPlan.dead), which they skip. The fused path
+    # then unpacks by gathers alone: no fill of padding or dead rows, a full pass over the
+    # tensor each (FA4: 4.73 -> see benchmarks/NOTES.md entry 53, Qwen-Image 1024 px per call).
+    INTO_ZEROS: bool = False
     # True when the kernel runs on the padded tensors itself (forward_padded): no pack, no unpack.
     PADDED: bool = False
     # True when traced_forward can be traced by torch.compile and differentiated by autograd:
@@ -166,16 +172,18 @@ class Backend:
         """Packed attention with autograd through the kernel."""
         raise NotImplementedError
 
-    def forward_lse(self, inp: VarlenInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_lse(self, inp: VarlenInputs, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse [Hq, total_q] float32)`` without autograd: the kernel's own forward.
-        Only for ``NATIVE_BACKWARD`` backends (varlen_attn.fused)."""
+        Only for ``NATIVE_BACKWARD`` backends (varlen_attn.fused); ``out``: zeros to write into,
+        only for ``INTO_ZEROS`` backends."""
         raise NotImplementedError(f"backend {self.NAME!r} has no forward/backward entry points")
 
-    def backward(self, inp: VarlenInputs, out: torch.Tensor, lse: torch.Tensor,
-                 dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(self, inp: VarlenInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
+                 grads: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` on packed tensors: the kernel's own backward. Only for
         ``NATIVE_BACKWARD`` backends; the others get gradients by autograd through
-        :meth:`forward` (eagerly, or recomputed inside varlen_attn.op's backward op)."""
+        :meth:`forward` (eagerly, or recomputed inside varlen_attn.op's backward op). ``grads``:
+        zeros to write ``(dq, dk, dv)`` into, only for ``INTO_ZEROS`` backends."""
         raise NotImplementedError(f"backend {self.NAME!r} has no forward/backward entry points")
 
     def traced_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -56,6 +56,15 @@ def _varlen_kwargs(inp: VarlenInputs) -> dict:
                 max_seqlen_k=p.max_seqlen_k, softmax_scale=inp.scale, causal=inp.causal)
 
 
+def _skipped(inp: VarlenInputs) -> dict:
+    """FA4's ``seqused_q`` where the plan has dead elements (VarlenPlan.dead): their queries
+    skipped (used: none), every other segment used whole."""
+    p = inp.plan
+    if p.dead is None:
+        return {}
+    return {"seqused_q": torch.diff(p.cu_seqlens_q).masked_fill_(p.dead, 0)}
+
+
 class FlashAttn2Backend(_FlashBackend):
     NAME = "flash_attn"
     # Not plain "flash_attn": flash-attn-4 installs that package name too, without FA2's kernels.
@@ -165,18 +174,26 @@ class FlashAttn4Backend(_FlashBackend):
     def _interface(self):
         return importlib.import_module("flash_attn.cute.interface")
 
-    def forward_lse(self, inp: VarlenInputs):
+    # FA4 writes into buffers it is given (out=, dq=, dk=, dv=), never into rows past the last
+    # segment, and skips the queries past ``seqused_q``, leaving their rows of out and dq as they
+    # were and adding nothing to dk, dv for them (checked on an H200, FA4 4.0.0b36; the GPU tests
+    # hold it: tests/test_gpu.py).
+    INTO_ZEROS = True
+
+    def forward_lse(self, inp: VarlenInputs, out=None):
         try:
             res = self._interface()._flash_attn_fwd(*_last_dim_contiguous(inp.q, inp.k, inp.v),
-                                                    **_varlen_kwargs(inp), return_lse=True)
+                                                    **_varlen_kwargs(inp), **_skipped(inp), return_lse=True, out=out)
         except _REFUSALS as e:  # FA4 checks its inputs with asserts before it launches anything
             raise self._refused(inp, "forward", e) from e
         return res[0], res[1]
 
-    def backward(self, inp: VarlenInputs, out, lse, dout):
+    def backward(self, inp: VarlenInputs, out, lse, dout, grads=None):
+        dq, dk, dv = grads or (None, None, None)
         try:
             return tuple(self._interface()._flash_attn_bwd(
-                *_last_dim_contiguous(inp.q, inp.k, inp.v, out, dout), lse, **_varlen_kwargs(inp))[:3])
+                *_last_dim_contiguous(inp.q, inp.k, inp.v, out, dout), lse, **_varlen_kwargs(inp), **_skipped(inp),
+                dq=dq, dk=dk, dv=dv)[:3])
         except _REFUSALS as e:
             raise self._refused(inp, "backward", e) from e
 
