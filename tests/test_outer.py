@@ -184,14 +184,16 @@ def test_chroma_calls_left_to_stock_as_key_padding_see_no_rows_and_equal_stock(m
     costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64",
                 "layouts": {"key_padding": lay(True), "outer": lay(False)}}])
     seen = []
-    replaced = hook._replaced[0]
-    monkeypatch.setattr(hook, "_replaced", [lambda *a, **kw: seen.append(tuple(kw["attn_mask"].shape)) or replaced(*a, **kw)])
     try:
         batch = chroma_inputs()
         stock = tiny_chroma()
         ref = step(stock, batch)
         enabled = va.enable_varlen(copy.deepcopy(stock))
         enabled.enable_gradient_checkpointing()
+        # Spied once installed: the first install in a process writes what it replaced into the list.
+        replaced = hook._replaced[0]
+        monkeypatch.setattr(hook, "_replaced", [lambda *a, **kw: seen.append(tuple(kw["attn_mask"].shape))
+                                                or replaced(*a, **kw)])
         va.reset_stats()
         seen.clear()
         assert_model_close(step(enabled, batch), ref, what="stock on the keys' mask")

@@ -27,7 +27,7 @@ from .kernels import BACKENDS, SDPA, TORCH_SDPA, Backend, VarlenInputs, select
 from .kernels._base import empty_output, inside_compiled_graph, refusals
 from .masks import canonical_mask, outer_factors
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
-from .plan import VarlenPlan, read_float01_as_bool
+from .plan import VarlenPlan, outer_plan, read_float01_as_bool
 from .policy import resolve_plan
 
 
@@ -272,6 +272,23 @@ class Deferred:
             made = self._made["factors"] = (keep[:, None, :, None] & keep[:, None, None, :], keys[:, None, None, :])
         return made
 
+    def plan(self) -> VarlenPlan:
+        """The packed plan of the outer product of ``keep`` (:func:`~varlen_attn.plan.outer_plan`),
+        built once a forward and kept for its recomputation."""
+        made = self._made.get("plan")
+        if made is None:
+            _stats.record_plan_build()
+            made = self._made["plan"] = outer_plan(self.keep, self.keep)
+        return made
+
+    def poisoned(self, out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+        """``out``, with ``bad`` kept for the forward's read; not read: ``out`` all NaN where
+        ``bad`` (an addition: its backward is no pass over the gradient)."""
+        if self.flags is not None:
+            self.flags.append(bad)
+            return out
+        return out + torch.where(bad, float("nan"), 0.0).to(out.dtype)
+
     def rows(self, dtype: torch.dtype, bhsd: bool = False) -> torch.Tensor:
         """``keep`` as the output's row scale: ``[B, S, 1, 1]`` (``[B, 1, S, 1]`` with ``bhsd``)."""
         made = self._made.get((dtype, bhsd))
@@ -294,13 +311,14 @@ UNREAD = Deferred()  # a recomputation's checks, without the model's mask: each 
 
 def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None) -> torch.Tensor:
     """A :func:`factorable` call as the key-padding call it is when its mask is an outer product
-    (:func:`~varlen_attn.masks.outer_factors`, or the model's mask's factors,
-    :meth:`Deferred.factors`): the keys' mask routed and run as key padding (:func:`attend`: by
-    cost to stock's SDPA, or packed on a plan built on the device), the rows then multiplied by
-    the queries' mask. Whether the mask is that product is a device flag, read as ``checks``
-    says (:class:`Deferred`); None: read now (one host read), and a mask that is no outer
-    product takes :func:`attend`. auto first weighs the call as it is (an outer mask): one it
-    leaves to stock's SDPA is read and changed by nothing."""
+    ``keep_q x keep_k`` (:func:`~varlen_attn.masks.outer_factors`, or the model's mask's factors,
+    :meth:`Deferred.factors`): routed as its keys' mask; packed, on the plan of the outer product
+    (:func:`~varlen_attn.plan.outer_plan`: padded queries never computed, a plan the forward's
+    calls share where the factors are the model's), else on stock's SDPA with the keys' mask,
+    the rows then multiplied by ``keep_q``. Whether the mask is that product is a device flag,
+    read as ``checks`` says (:class:`Deferred`); None: read now (one host read), and a mask that
+    is no outer product takes :func:`attend`. auto first weighs the call as it is (an outer
+    mask): one it leaves to stock's SDPA is read and changed by nothing."""
     decision = cost_decision(q, k, v, mask4, opts, policy)
     if decision is not None and decision.stock:
         _stats.record_route(decision.reason)
@@ -308,16 +326,35 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
     made = checks.factors(mask4) if checks is not None else None
     if made is not None:
         outer, keys = made
-        return attend(q, k, v, keys, opts, policy) * checks.flag(mask4.ne(outer).any(), checks.rows(q.dtype))
-    keep_q, keys, bad = outer_factors(mask4)
-    rows = keep_q.to(q.dtype)[:, :, None, None]
-    if checks is None:
-        _stats.record_host_sync()
-        if bad.item():
-            return attend(q, k, v, mask4, opts, policy)
+        bad, plan_of, keep_q = mask4.ne(outer).any(), checks.plan, checks.keep
     else:
-        rows = checks.flag(bad, rows)
-    return attend(q, k, v, keys[:, None, None, :], opts, policy) * rows
+        keep_q, keep_k, bad = outer_factors(mask4)
+        keep_q, keep_k = keep_q.expand(q.shape[0], -1), keep_k.expand(q.shape[0], -1)
+        keys = keep_k[:, None, None, :]
+        if checks is None:
+            _stats.record_host_sync()
+            if bad.item():
+                return attend(q, k, v, mask4, opts, policy)
+
+        def plan_of():
+            _stats.record_plan_build()
+            return outer_plan(keep_q, keep_k)
+
+    decision = cost_decision(q, k, v, keys, opts, policy)
+    if decision is None or not decision.stock:
+        plan = plan_of()
+        try:
+            first = route(q, k, v, plan, keys, opts, policy)
+        except BackendUnavailableError:  # no backend here runs a static plan: the keys' own plan below
+            first = None
+        if first is not None:
+            if decision is not None:
+                _stats.record_route(decision.reason)
+            out = rerouted(policy.backend, first, lambda: route(q, k, v, plan, keys, opts, policy),
+                           lambda r: run(q, k, v, plan, keys, r, opts))[1]
+            return out if checks is None else checks.poisoned(out, bad)
+    rows = keep_q.to(q.dtype)[:, :, None, None]
+    return attend(q, k, v, keys, opts, policy) * (rows if checks is None else checks.flag(bad, rows))
 
 
 def rerouted(backend: str, first, choose, call):

@@ -649,6 +649,18 @@ def key_padding_side(mask4: torch.Tensor, *, batch: int, seqlen_k: int):
     return dead, (order, inverse, cu, padding)
 
 
+def outer_plan(keep_q: torch.Tensor, keep_k: torch.Tensor) -> VarlenPlan:
+    """The static plan of the outer product ``keep_q[:, None, :, None] & keep_k[:, None, None, :]``
+    (Chroma's mask) from ``keep_q [B, Sq]`` and ``keep_k [B, Sk]`` (bool), on the device, no
+    host read: padded queries are never computed (their rows zeros); an element where no query
+    attends a key is dead (:attr:`VarlenPlan.dead`)."""
+    dead = (keep_q.any(dim=1) & keep_k.any(dim=1)).logical_not()
+    q_side = padding_side(keep_q | dead[:, None])
+    k_side = q_side if keep_k is keep_q else padding_side(keep_k | dead[:, None])
+    return _padding_plan(keep_q.shape[0], keep_q.shape[1], keep_k.shape[1], q_side, k_side, dead,
+                         self_aligned=keep_k is keep_q)
+
+
 def _padding_plan(batch: int, sq: int, sk: int, q_side, k_side, dead, read_as_bool: bool = False,
                   self_aligned: bool = False) -> VarlenPlan:
     """A static plan (:attr:`VarlenPlan.static`) from its sides (:func:`padding_side`); ``q_side``
