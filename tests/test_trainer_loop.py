@@ -249,14 +249,16 @@ def test_trainer_loop_equals_stock(arch, enable, precision, optimizer):
 
     # It ran packed: every call on a varlen backend, training forwards twice (checkpoint
     # recomputation), no fallback. Flux's boolean key-padding mask: a plan per call, no host read.
-    # Chroma's outer products run as key padding: a plan per call too (built on the device,
-    # recomputation included), and one host read per model forward (its checks, read when it
-    # ends; the recomputation's are not read). Stock: untouched.
+    # Chroma's outer products: one plan per model forward (the outer product of the model's mask,
+    # built on the device and shared by the forward's calls and by diffusers' recomputation of
+    # it), and one host read per model forward (its checks, read when it ends; the
+    # recomputation's are not read). Stock: untouched.
     layers = ATTN_LAYERS[arch]
     for key, calls, forwards in (("stats train", 2 * layers * (STEPS + 1), STEPS + 1), ("stats reload", 2 * layers, 1),
                                  ("stats ema", layers, 1)):
         st = got[key]
-        assert st["plan_builds"] == calls and not st["fallbacks"], (key, st)
+        plans = forwards if arch == "chroma" else calls
+        assert st["plan_builds"] == plans and not st["fallbacks"], (key, st)
         assert st["host_syncs"] == (forwards if arch == "chroma" else 0), (key, st)
         assert "sdpa" not in st["backends"] and sum(st["backends"].values()) == calls, (key, st)
         assert base[key]["plan_builds"] == 0 and not base[key]["backends"], (key, base[key])
