@@ -94,21 +94,22 @@ def fake_fa4_interface(recorder):
         return out
 
     def _flash_attn_fwd(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
-                        causal, return_lse, seqused_q=None, out=None):
+                        causal, return_lse, seqused_q=None, out=None, lse=None):
         assert return_lse and cu_seqlens_q.dtype == torch.int32 and type(max_seqlen_q) is int
         assert seqused_q is None or seqused_q.dtype == torch.int32
         recorder.calls.append({"softmax_scale": softmax_scale, "causal": causal, "entry": "fwd",
-                               "seqused_q": seqused_q is not None, "out": out is not None})
+                               "seqused_q": seqused_q is not None, "out": out is not None and lse is not None})
         tq, tk = int(cu_seqlens_q[-1]), int(cu_seqlens_k[-1])  # rows past them: read by no segment
-        o, lse, _ = varlen_attn_ref.flash_attn_varlen_func(
+        o, lse_, _ = varlen_attn_ref.flash_attn_varlen_func(
             q[:tq], k[:tk], v[:tk], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
             softmax_scale=softmax_scale, causal=causal, return_attn_probs=True)
-        assert lse.shape == (q.shape[1], tq) and lse.dtype == torch.float32
+        assert lse_.shape == (q.shape[1], tq) and lse_.dtype == torch.float32
         rest = q.shape[0] - tq
         o = torch.cat([o, o.new_zeros((rest, *o.shape[1:]))])
+        lse_ = torch.nn.functional.pad(lse_, (0, rest))
         used = _used(q, cu_seqlens_q, seqused_q)
-        return (_into(out, o, o, used), torch.nn.functional.pad(lse, (0, rest)).masked_fill(~used, 0), None, None,
-                None)
+        lse = _into(None if lse is None else lse.T, lse_.T, lse_.T, used).T  # rows are its columns
+        return (_into(out, o, o, used), lse, None, None, None)
 
     def _flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale, causal, *, cu_seqlens_q, cu_seqlens_k,
                         max_seqlen_q, max_seqlen_k, seqused_q=None, dq=None, dk=None, dv=None):

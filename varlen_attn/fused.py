@@ -28,8 +28,9 @@ def packed_forward(impl: Backend, q, k, v, plan: VarlenPlan, scale: float, causa
     are zeros, as SDPA gives them."""
     inp = VarlenInputs(gather_packed(q, plan, "q"), gather_packed(k, plan, "k"), gather_packed(v, plan, "k"),
                        plan, scale, causal)
-    if impl.INTO_ZEROS:
-        out, lse = impl.forward_lse(inp, inp.q.new_zeros(inp.q.shape[:-1] + inp.v.shape[-1:]))
+    if impl.INTO_ZEROS:  # the lse too: the compiled op returns it, and an op's outputs must not hold stale memory
+        out, lse = impl.forward_lse(inp, inp.q.new_zeros(inp.q.shape[:-1] + inp.v.shape[-1:]),
+                                    inp.q.new_zeros((inp.q.shape[1], inp.q.shape[0]), dtype=torch.float32))
     else:
         out, lse = impl.forward_lse(inp)
     return inp, out, lse

@@ -109,7 +109,7 @@ class Backend:
     # True when forward_lse/backward call the kernel's own forward and backward entry points
     # (then pack + kernel + unpack run as one autograd node, varlen_attn.fused).
     NATIVE_BACKWARD: bool = False
-    # True when forward_lse and backward write into the zeros they are handed (``out``, ``grads``)
+    # True when forward_lse and backward write into the zeros they are handed (``out``, ``lse``, ``grads``)
     # and leave every row they compute nothing for as it was: rows past ``cu_seqlens[-1]``, and
     # the queries of the plan's dead elements (VarlenPlan.dead), which they skip. The fused path
     # then unpacks by gathers alone: no fill of padding or dead rows, a full pass over the
@@ -173,10 +173,11 @@ class Backend:
         """Packed attention with autograd through the kernel."""
         raise NotImplementedError
 
-    def forward_lse(self, inp: VarlenInputs, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_lse(self, inp: VarlenInputs, out: torch.Tensor | None = None,
+                    lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``(out, lse [Hq, total_q] float32)`` without autograd: the kernel's own forward.
-        Only for ``NATIVE_BACKWARD`` backends (varlen_attn.fused); ``out``: zeros to write into,
-        only for ``INTO_ZEROS`` backends."""
+        Only for ``NATIVE_BACKWARD`` backends (varlen_attn.fused); ``out``, ``lse``: zeros to
+        write into, only for ``INTO_ZEROS`` backends."""
         raise NotImplementedError(f"backend {self.NAME!r} has no forward/backward entry points")
 
     def backward(self, inp: VarlenInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,

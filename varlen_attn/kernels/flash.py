@@ -174,16 +174,16 @@ class FlashAttn4Backend(_FlashBackend):
     def _interface(self):
         return importlib.import_module("flash_attn.cute.interface")
 
-    # FA4 writes into buffers it is given (out=, dq=, dk=, dv=), never into rows past the last
+    # FA4 writes into buffers it is given (out=, lse=, dq=, dk=, dv=), never into rows past the last
     # segment, and skips the queries past ``seqused_q``, leaving their rows of out and dq as they
     # were and adding nothing to dk, dv for them (checked on an H200, FA4 4.0.0b36; the GPU tests
     # hold it: tests/test_gpu.py).
     INTO_ZEROS = True
 
-    def forward_lse(self, inp: VarlenInputs, out=None):
+    def forward_lse(self, inp: VarlenInputs, out=None, lse=None):
         try:
-            res = self._interface()._flash_attn_fwd(*_last_dim_contiguous(inp.q, inp.k, inp.v),
-                                                    **_varlen_kwargs(inp), **_skipped(inp), return_lse=True, out=out)
+            res = self._interface()._flash_attn_fwd(*_last_dim_contiguous(inp.q, inp.k, inp.v), **_varlen_kwargs(inp),
+                                                    **_skipped(inp), return_lse=True, out=out, lse=lse)
         except _REFUSALS as e:  # FA4 checks its inputs with asserts before it launches anything
             raise self._refused(inp, "forward", e) from e
         return res[0], res[1]
