@@ -381,7 +381,7 @@ def test_the_kept_copy_of_a_mask_expanded_over_heads_holds_one_head():
     base = torch.where(keep[:, None, :, None] & keep[:, None, None, :], 0.0, float("-inf")).double()
     q, k, v = (torch.randn(b, h, s, d, dtype=torch.float64) for _ in range(3))
     va.scaled_dot_product_attention(q, k, v, base.expand(b, h, s, s))
-    (snapshot, _), = _CALL_PLANS._entries.values()
+    (snapshot, _, _), = _CALL_PLANS._entries.values()
     assert snapshot.shape == (b, 1, s, s)
     va.reset_stats()
     dense = base.expand(b, h, s, s).clone()

@@ -198,12 +198,6 @@ def _host(t: torch.Tensor) -> list[int]:
     return t.tolist()
 
 
-def _equal_values(kept: torch.Tensor, mask: torch.Tensor) -> bool:
-    """``mask`` holds the values of ``kept`` (a copy, broadcast to ``mask``'s shape), compared on
-    the device in one counted host read: how a cached plan is confirmed (NaN equals nothing)."""
-    return not _host(torch.ne(kept, mask).any())
-
-
 def _cu(lengths: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
 
@@ -296,27 +290,27 @@ def build_plan(
         seqlen_q = attn_mask.shape[-2] if attn_mask.dim() >= 3 and attn_mask.shape[-2] > 1 else seqlen_k
     float01_as_bool = float01_as_bool and attn_mask.is_floating_point()
     key = (batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool)
-    plan = _CACHE.get(attn_mask, key) if cache else None
-    if plan is None:
+
+    def build(mask):
         _stats.record_plan_build()
         # A float 0/1 mask read additively (SDPA's reading: 1 adds one to the scores, 0 drops
         # nothing) is almost surely a keep-mask: the build tells, in its one host read, whether
         # the mask is one (read as bool); then it warns once and reads it as SDPA does after all.
-        probe = not float01_as_bool and attn_mask.is_floating_point()
-        plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool or probe)
+        probe = not float01_as_bool and mask.is_floating_point()
+        plan = _build(mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool or probe)
         if probe and plan.read_as_bool:
             if plan.packable and plan.q_identity and plan.k_identity:  # all ones: both readings keep every key
-                plan = dataclasses.replace(plan, read_as_bool=False)
-            else:
-                warn_once("build_plan_float01", (
-                    f"varlen_attn: build_plan got a float attn_mask of 0s and 1s ({attn_mask.dtype}, shape "
-                    f"{tuple(attn_mask.shape)}), read as SDPA reads a float mask: an additive bias (0 masks "
-                    f"nothing out, 1 adds one to the scores). For a keep-mask pass a bool mask or "
-                    f"float01_as_bool=True."))
-                _stats.record_plan_build()
-                plan = _build(attn_mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, False)
-        if cache:
-            _CACHE.put(attn_mask, key, plan)
+                return dataclasses.replace(plan, read_as_bool=False)
+            warn_once("build_plan_float01", (
+                f"varlen_attn: build_plan got a float attn_mask of 0s and 1s ({mask.dtype}, shape "
+                f"{tuple(mask.shape)}), read as SDPA reads a float mask: an additive bias (0 masks "
+                f"nothing out, 1 adds one to the scores). For a keep-mask pass a bool mask or "
+                f"float01_as_bool=True."))
+            _stats.record_plan_build()
+            plan = _build(mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, False)
+        return plan
+
+    plan = _CACHE.plan(attn_mask, key, build, weak=True) if cache else build(attn_mask)
     if strict and not plan.packable:
         raise NotPackableError(plan.reason)
     return plan
@@ -499,21 +493,13 @@ def static_plan_tensors_of(mask4: torch.Tensor, *, batch: int, seqlen_q: int, se
     return torch.cat([*_static_side(valid_q), *_static_side(valid_k)]), problems
 
 
-def static_sides(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int):
-    """The one int64 vector of :func:`static_plan_tensors_of` as
-    ``(order, inverse, cu_seqlens int32, padding)`` of the queries, then of the keys: a padded
-    position is padding where its packed row lies past the last segment. Tensor ops only, no host
-    read (what the in-graph route of varlen_attn.op traces)."""
+def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int) -> VarlenPlan:
+    """The static plan whose tensors :func:`static_plan_tensors_of` put in one int64 vector; a
+    padded position is padding where its packed row lies past the last segment."""
     rq, rk = batch * seqlen_q, batch * seqlen_k
     pq, iq, cq, pk, ik, ck = torch.split(tensors, [rq, rq, batch + 1, rk, rk, batch + 1])
     cq, ck = cq.to(torch.int32), ck.to(torch.int32)
-    return (pq, iq, cq, iq >= cq[-1]), (pk, ik, ck, ik >= ck[-1])
-
-
-def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int) -> VarlenPlan:
-    """The static plan whose tensors :func:`static_plan_tensors_of` put in one int64 vector."""
-    q_side, k_side = static_sides(tensors, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k)
-    return _padding_plan(batch, seqlen_q, seqlen_k, q_side, k_side, None)
+    return _padding_plan(batch, seqlen_q, seqlen_k, (pq, iq, cq, iq >= cq[-1]), (pk, ik, ck, ik >= ck[-1]), None)
 
 
 def _static_side(valid: torch.Tensor):
@@ -534,65 +520,67 @@ def _static_side(valid: torch.Tensor):
     return order, inverse, cu
 
 
-# Masks up to this many elements are cached (their snapshot is a copy); larger ones, such as a
-# per-forward ``[B, 1, S, S]`` mask of a joint sequence, are built each time.
-_SNAPSHOT_MAX = 1 << 22
-
-
 class _PlanCache:
-    """Plans keyed by mask object, reused only after checking the mask still holds the values
-    the plan was built from.
+    """Plans kept with a copy of the mask each was built from (:func:`_compact_copy`), one per
+    key; a plan is taken only where the mask equals its copy in value, compared on the device in
+    one host read (counted in ``stats()["host_syncs"]``, in place of a build's one), so a mask
+    changed in any way, also through ``.data``, numpy, its storage or under inference mode (where
+    no version counter tells), is built anew. The key holds the mask's shape, dtype and device;
+    ``weak`` keys it also by the mask object, whose collection drops the entry (a tensor cannot
+    be a dict key: ``==`` is elementwise). A mask whose copy would exceed ``limit`` elements is
+    built every time, never kept; past ``capacity`` entries the oldest goes."""
 
-    A mask tensor cannot be a dict key (``==`` is elementwise), so entries are keyed by ``id``
-    and hold a weak reference that both confirms identity and evicts the entry on collection.
-    The version counter alone cannot prove a mask unchanged: inference tensors have none, and
-    writes through ``.data``, numpy or the storage leave it as it was. So each entry keeps a
-    copy of the mask, and a hit compares the mask with it on the device: one host read (counted
-    in ``stats()["host_syncs"]``), in place of a build's one. A mask that differs is rebuilt.
-    """
-
-    def __init__(self, capacity: int = 32):
-        self._entries: dict[int, tuple] = {}
+    def __init__(self, capacity: int, limit: int):
+        self._entries: dict[tuple, tuple] = {}
         self._lock = threading.Lock()
-        self._capacity = capacity
+        self._capacity, self._limit = capacity, limit
 
-    @staticmethod
-    def _cacheable(mask: torch.Tensor) -> bool:
-        return mask.device.type != "meta" and mask.numel() <= _SNAPSHOT_MAX
-
-    def get(self, mask: torch.Tensor, key: tuple) -> VarlenPlan | None:
+    def plan(self, mask: torch.Tensor, key: tuple, build, weak: bool = False) -> VarlenPlan:
+        """The kept plan of ``key`` where ``mask`` equals its copy (NaN equals nothing), else
+        ``build(copy)``: built from the copy, the kept plan is the copy's even if ``mask`` changes."""
+        key = (id(mask) if weak else None, tuple(mask.shape), mask.dtype, mask.device, *key)
         with self._lock:
-            entry = self._entries.get(id(mask))
-        if entry is None:
-            return None
-        ref, entry_key, snapshot, plan = entry
-        if ref() is not mask or entry_key != key or snapshot.shape != mask.shape:
-            return None
-        return plan if _equal_values(snapshot, mask) else None
-
-    def put(self, mask: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
-        if not self._cacheable(mask):
-            return
-        ident = id(mask)
-
-        def evict(_ref, ident=ident):
-            with self._lock:
-                entry = self._entries.get(ident)
-                if entry is not None and entry[0] is _ref:
-                    del self._entries[ident]
-
-        snapshot = mask.detach().clone()
+            entry = self._entries.get(key)
+        if entry is not None and (entry[2] is None or entry[2]() is mask):
+            if not _host(torch.ne(entry[0], mask).any()):
+                return entry[1]
+        copy = _compact_copy(mask, self._limit)
+        if copy is None:
+            return build(mask)
+        plan = build(copy.expand(mask.shape))
+        ref = weakref.ref(mask, lambda ref: self._evict(key, ref)) if weak else None
         with self._lock:
-            if len(self._entries) >= self._capacity and ident not in self._entries:
+            self._entries.pop(key, None)
+            if len(self._entries) >= self._capacity:
                 self._entries.pop(next(iter(self._entries)))
-            self._entries[ident] = (weakref.ref(mask, evict), key, snapshot, plan)
+            self._entries[key] = (copy, plan, ref)
+        return plan
+
+    def _evict(self, key: tuple, ref: weakref.ref) -> None:
+        with self._lock:
+            if self._entries.get(key, (None,) * 3)[2] is ref:
+                del self._entries[key]
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
 
 
-_CACHE = _PlanCache()
+def _compact_copy(mask: torch.Tensor, limit: int) -> torch.Tensor | None:
+    """A copy of ``mask`` with its broadcast (stride-0) dims kept at size 1 (a mask expanded over
+    heads costs one head's memory; compared with a mask by broadcasting), or None past ``limit``
+    elements."""
+    index = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(mask.shape, mask.stride()))
+    view = mask.detach()[index]
+    return view.clone() if view.numel() <= limit else None
+
+
+# build_plan's plans, by mask object: masks up to 4 M elements (a per-forward [B, 1, S, S] mask of
+# a joint sequence is built each time). Attention calls' plans of masks other than boolean key
+# padding (call_plan), by structure: four, each copy up to 256 M elements (Chroma's 1024 px
+# [3, 1, 4608, 4608] mask has 64 M, 64 MB in bool; clear_plan_cache frees them).
+_CACHE = _PlanCache(capacity=32, limit=1 << 22)
+_CALL_PLANS = _PlanCache(capacity=4, limit=1 << 28)
 
 
 def clear_plan_cache() -> None:
@@ -676,48 +664,6 @@ def _padding_plan(batch: int, sq: int, sk: int, q_side, k_side, dead, read_as_bo
     )
 
 
-class _CallPlans:
-    """The plans of attention calls' masks other than boolean key padding and other than the
-    outer products :func:`varlen_attn.execution.attend_outer` runs as key padding (additive and
-    other float masks, per-head masks, masks that are no outer product), each kept with a copy of
-    the mask it was built from, one per mask shape and reading (``key``). A call takes the plan
-    only where its mask equals the copy in value (compared on the device: the call's one host
-    read), so a model whose layers each derive the same such mask builds its plan once per
-    distinct mask, and a mask that differs in any value, however it was made or written, is
-    built anew.
-
-    Why: building in every call cost Chroma's 1024 px training step 1.35x -> 1.17x over stock
-    (H200, FA4); with the kept plan it ran 1.29x (benchmarks/NOTES.md entry 48). The copy keeps a broadcast dim at size 1 and costs the mask's memory once per
-    key (a bool ``[3, 1, 4608, 4608]`` mask is 64 MB; :func:`clear_plan_cache` frees them). The key
-    holds the stream and the inference mode a plan was built in: it is taken only there."""
-
-    def __init__(self, capacity: int = 4):
-        self._entries: dict[tuple, tuple[torch.Tensor, VarlenPlan]] = {}
-        self._lock = threading.Lock()
-        self._capacity = capacity
-
-    def get(self, mask4: torch.Tensor, key: tuple) -> VarlenPlan | None:
-        with self._lock:
-            entry = self._entries.get(key)
-        if entry is None:
-            return None
-        return entry[1] if _equal_values(entry[0], mask4) else None
-
-    def put(self, snapshot: torch.Tensor, key: tuple, plan: VarlenPlan) -> None:
-        with self._lock:
-            self._entries.pop(key, None)
-            if len(self._entries) >= self._capacity:
-                self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = (snapshot, plan)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._entries.clear()
-
-
-_CALL_PLANS = _CallPlans()
-
-
 def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
               float01_as_bool: bool = False, host: bool = False) -> VarlenPlan:
     """The plan of one attention call, from that call's own mask ``mask4`` (its
@@ -726,7 +672,7 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
     * A boolean key-padding mask (``[B|1, 1, 1, Sk]``: every query attends the same keys): a
       static plan built on the device with **no host read**; queries stay in place.
     * Any other mask: the plan of an earlier call whose mask this one equals in value
-      (:class:`_CallPlans`: one host read), else built: read as a padding mask on the device
+      (:data:`_CALL_PLANS`: one host read), else built: read as a padding mask on the device
       (:func:`~varlen_attn.masks.read_padding`), its flags and two facts in **one** host read;
       a padding mask gets a static plan (queries in place where all are valid), an unpackable one
       a plan that says why, and a mask of several segments per element the general plan
@@ -746,34 +692,13 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
     # A kept plan is taken only where it was built: the same stream (its tensors were queued
     # there) and the same inference mode (inference tensors cannot be saved for backward).
     stream = torch.cuda.current_stream(mask4.device).stream_id if mask4.is_cuda else None
-    key = (tuple(mask4.shape), mask4.dtype, mask4.device, batch, seqlen_q, seqlen_k, float01_as_bool, host,
-           stream, torch.is_inference_mode_enabled())
-    plan = _CALL_PLANS.get(mask4, key)
-    if plan is None:
-        _stats.record_plan_build()
-        snapshot = _compact_copy(mask4)
-        if snapshot.numel() > _CALL_SNAPSHOT_MAX:
-            return _built_plan(mask4, batch, seqlen_q, seqlen_k, float01_as_bool, host)
-        # Built from the copy, so the kept plan is the copy's even if the mask is written meanwhile.
-        plan = _built_plan(snapshot.expand(mask4.shape), batch, seqlen_q, seqlen_k, float01_as_bool, host)
-        _CALL_PLANS.put(snapshot, key, plan)
-    return plan
-
-
-# A mask whose copy would exceed this many elements is built in every call (never kept). Chroma's
-# 1024 px [3, 1, 4608, 4608] mask has 64 M.
-_CALL_SNAPSHOT_MAX = 1 << 28
-
-
-def _compact_copy(mask: torch.Tensor) -> torch.Tensor:
-    """A copy of ``mask`` with its broadcast (stride-0) dims kept at size 1: a mask expanded over
-    heads costs one head's memory; compared with a mask by broadcasting."""
-    index = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(mask.shape, mask.stride()))
-    return mask.detach()[index].clone()
+    key = (batch, seqlen_q, seqlen_k, float01_as_bool, host, stream, torch.is_inference_mode_enabled())
+    return _CALL_PLANS.plan(mask4, key, lambda m: _built_plan(m, batch, seqlen_q, seqlen_k, float01_as_bool, host))
 
 
 def _built_plan(mask4, batch, seqlen_q, seqlen_k, float01_as_bool, host) -> VarlenPlan:
     """:func:`call_plan`'s build for a mask that is not boolean key padding (or for ``host``)."""
+    _stats.record_plan_build()
     if host:
         return _build(mask4, batch, seqlen_q, seqlen_k, None, "torch", float01_as_bool and mask4.is_floating_point())
     m4, as_bool = mask4, None
