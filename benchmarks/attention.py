@@ -24,7 +24,9 @@ the GPU sleeps, so host time is excluded): ``varlen_attn.scaled_dot_product_atte
 SDPA layout ``[B, H, S, D]`` (views of ``[B, S, H, D]`` tensors, as diffusers' processors hand
 it), the plan built from the call's own mask every call, for each installed backend, against
 its kernel alone on tokens packed beforehand; the mask as the model gives it (Qwen-Image: key
-padding; Chroma: the outer product). ``--profile`` adds each row's GPU kernels.
+padding; Chroma: the outer product, also as an enabled Chroma forward runs it: checked against
+the model's mask on the device and read when the forward ends, on the forward's plan).
+``--profile`` adds each row's GPU kernels.
 """
 
 from __future__ import annotations
@@ -140,6 +142,20 @@ def per_call(name, device, profile: bool, backends=None):
         rows[f"{backend} route, plan from the call's mask"] = (
             lambda n=backend: va.scaled_dot_product_attention(qt, kt, vt, mask, backend=n))
     rows["auto"] = lambda: va.scaled_dot_product_attention(qt, kt, vt, mask)
+    if outer:  # as an enabled Chroma runs it: the model mask's plan, its check read when the forward ends
+        from varlen_attn import execution, hook
+        from varlen_attn.policy import Policy
+
+        hook.install()
+        for backend in backends or C.varlen_backends(device):
+            # One forward's checks for every call: its plan made once, as a forward's blocks share it.
+            entry = hook.Entry(Policy.of(backend, model=True), checks=execution.Deferred(inp.q_keep, []))
+
+            def model_call(e=entry):
+                with hook.active(e):
+                    return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
+
+            rows[f"{backend} route in an enabled Chroma forward (no read)"] = model_call
     out = {}
     for label, fn in rows.items():
         try:
