@@ -1,26 +1,12 @@
 """Whether ``auto`` leaves a masked call to stock SDPA or packs it: measured costs, as data.
 
-A masked attention call can run on stock's masked SDPA (no plan, no pack) or packed on a varlen
-kernel. Which is faster depends on the GPU, the kernel stock's SDPA takes there (cuDNN's
-attention on H100/H200/B200, the memory-efficient kernel on A100 and RTX GPUs or with cuDNN's
-off), the mask's layout and the tokens per sequence: on an H200 with cuDNN, stock's masked call
-is faster below a few thousand tokens, packing above (``benchmarks/crossovers.py``).
-
-:func:`decide` answers for one call from its signature only (device, dtype, heads,
-head dims, lengths, mask layout, compiled or not, the kernel stock would take, the kernel
-packing would take), never from the mask's values or from earlier calls, by reading a table of
-measured costs: ``costs.json`` in this package, or the file ``$VARLEN_ATTN_COSTS`` names (the
-output of ``python benchmarks/crossovers.py --out FILE`` on your GPU). A table applies to the
-GPU it was measured on, and to another GPU of the same name or compute capability (an H100
-takes the H200's: the same chip and kernels). Where no table applies (the CPU, a GPU class
-nobody measured) auto packs every packable call, as it did before routing by cost.
-
-A route's cost is its host time plus its GPU time per call (forward + backward), interpolated
-between the measured token counts (log-log) and held at the ends. The packed route's cost is
-that of the kernel auto's priority order picks (:func:`varlen_attn.kernels.priority`); if the
-table has no curve for it, the call packs. For each kind of call (all but its lengths) that
-makes one crossover (:func:`crossover`): stock below it, packing above; a call compares its
-lengths with it, which compiled code can do on lengths it traces as symbols.
+:func:`decide` answers for one call from its signature only (device, dtype, heads, head dims,
+lengths, mask layout, stock's kernel, the kernel packing would take), never from the mask's values,
+by reading a table of measured costs: ``costs.json``, or the file ``$VARLEN_ATTN_COSTS`` names
+(``python benchmarks/crossovers.py --out FILE``). A table applies to its GPU's name or compute
+capability; where none applies, auto packs every packable call. Costs (host + GPU time per call)
+are interpolated log-log, giving one :func:`crossover` per kind of call: stock below, packing
+above. docs/performance.md and benchmarks/NOTES.md entry 50 have the measurements.
 """
 
 from __future__ import annotations
@@ -188,12 +174,9 @@ def packed_kernel(device: torch.device, dtype, hq: int, hk: int, d: int, dv: int
         return None
 
 
-# cuDNN's attention (9.19, torch 2.11, H200) fails on masks with rows ([B, 1, S, S], padded
-# queries attending nothing): in plain PyTorch its backward returns a non-finite query gradient at
-# every S = 64 (mod 128) measured (1216, 1344, 1472, 1600, 4416; benchmarks/cudnn_crash_probe.py),
-# and full-depth Chroma steps at 1344 and 1408 tokens ended in an illegal memory access where the
-# probe's two calls at 1408 passed (docs/versions.md). Such masks are never left to it: their
-# crossover is 0 tokens (kernel_crossover), eagerly and in traced graphs alike.
+# cuDNN's attention (9.19, torch 2.11, H200) fails on masks with rows: a non-finite query gradient
+# at every S = 64 (mod 128) measured (benchmarks/cudnn_crash_probe.py), illegal memory accesses in
+# full-depth Chroma steps (docs/versions.md). Such masks get crossover 0 (kernel_crossover).
 def cudnn_rows_fail(kernel: str, layout: str) -> bool:
     """Whether stock's masked SDPA would take cuDNN's attention with a mask that has rows."""
     return kernel == "cudnn" and layout == "outer"

@@ -1,19 +1,11 @@
 """``python -m varlen_attn [options] script.py ARGS``: run an unmodified training script with
 every diffusers transformer it builds enabled (:func:`varlen_attn.enable_varlen`).
 
-Which models: every diffusers ``ModelMixin`` whose class, or one of its bases, is defined under
-``diffusers.models.transformers`` (Flux, Qwen-Image, Chroma, HunyuanVideo, ...); not VAEs, UNets,
-ControlNets or text encoders. A model counts once it is built, by ``from_pretrained``,
-``from_single_file``, ``from_config`` or its constructor, and is enabled right then, once: at the
-end of the outermost of those calls (a model built while another diffusers model is being built,
-such as the transformer blocks inside a UNet, is part of that one).
-
-How: nothing runs at forward time. When the script imports ``diffusers.models.modeling_utils``
-(an import hook; diffusers is never imported here before the script imports it, so a script
-that sets environment variables before importing diffusers still can), ``ModelMixin`` gets a
-wrapping ``from_pretrained`` and ``__init_subclass__``, which wraps the ``__init__`` of every
-subclass defined from then on (and of those defined before). Those wrappers count the builds
-nested on the thread and enable the outermost model when it is done.
+Which models: diffusers ``ModelMixin`` classes defined under ``diffusers.models.transformers``
+(or subclasses), enabled once when the outermost build (``from_pretrained``, ``from_single_file``,
+``from_config`` or the constructor) on the thread ends. How: an import hook wraps ``ModelMixin``'s
+builders when the script imports diffusers; nothing runs at forward time. docs/api.md ("Zero-code
+switch") has the full story.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Masks in, meaning out: read an attention mask as a set of packed segments, on the device.
 
-This is the bottom layer. It turns any mask that reaches attention in practice into
-
-* ``seg_q[b, i]``: the segment query ``i`` of batch element ``b`` belongs to, or -1 when the
-  query attends no key (SDPA returns zeros for that row);
-* ``seg_k[b, j]``: the segment key ``j`` belongs to, or -1 when no query attends it;
-
-such that ``keep[b, h, i, j] == (seg_q[b, i] == seg_k[b, j] >= 0)`` for every head. That is
-exactly the class of masks a varlen kernel can compute: a block diagonal of full blocks after
-a permutation, plus empty rows. A segment's id is the position of its first key, so ids are
-unique within a batch element and ordered by position.
-
-Everything here runs on the mask's device without a host sync; the few facts that decide
-whether the mask can be packed come back as device scalars in :class:`MaskAnalysis.flags`,
-and the plan layer reads them in its one sync.
-
-Additive float masks follow softmax's shift invariance, which is what SDPA computes: in each
-query row, the keys whose value equals the row maximum are kept; a key at least
-:data:`DROP_GAP` below the maximum (``-inf``, ``-10000``, ``finfo.min``) contributes
-``exp(-1000)`` relative weight, which underflows to exactly zero even in float64, so it is
-dropped; anything in between is a real bias and the mask is not packable. Hence a row where
-every key carries ``-10000`` attends to *all* its keys, as SDPA does, and a row of ``-inf``
-returns zeros. A row whose kept keys carry :data:`SWAMP` or more below zero (``finfo.min`` on a
-row with no valid key) is not packable either: SDPA rounds ``score + value`` there. Bool masks:
-True keeps.
+:func:`analyze` gives ``seg_q[b, i]`` / ``seg_k[b, j]`` (segment id = position of its first key,
+-1 for a query attending nothing / a key no query attends) such that ``keep[b, h, i, j] ==
+(seg_q[b, i] == seg_k[b, j] >= 0)``: what a varlen kernel computes. No host sync: packability
+comes back as device flags. A float mask keeps the keys at its row maximum and drops those at
+least :data:`DROP_GAP` below (exp(-1000) underflows to zero); anything between is a bias (not
+packable), as is a row swamped by :data:`SWAMP`. Bool masks: True keeps. docs/design.md has more.
 """
 
 from __future__ import annotations
@@ -170,12 +152,9 @@ def read_padding(mask4: torch.Tensor, *, batch_size: int, seqlen_q: int, seqlen_
     """Read a ``[B|1, H|1, Sq|1, Sk]`` mask as a *padding* mask: ``(valid_q [B, Sq], valid_k
     [B, Sk], flags)``, bool valid positions and int64 flags in :data:`PADDING_FLAG_NAMES` order.
 
-    A padding mask keeps, in each batch element, every valid key for every valid query: it is the
-    outer product of ``valid_q`` (queries that attend a key) and ``valid_k`` (keys some query
-    attends), so one segment per element (:func:`analyze` reads the general case). Key padding,
-    query-and-key padding and diffusers' outer products are; ``not_padding`` flags any other. No
-    sync, and no op beyond elementwise work and reductions over the mask, so a compiler fuses it
-    (the plan CUDA graphs replay is built in the graph: :mod:`varlen_attn.op`)."""
+    A padding mask is the outer product of ``valid_q`` (queries that attend a key) and
+    ``valid_k`` (keys some query attends): one segment per element; ``not_padding`` flags any
+    other mask. Elementwise work and reductions only, no sync, so a compiler fuses it."""
     keep, nan, posinf, bias, per_head, swamped = _keep(mask4)
     # Dims counted from the front: AOTAutograd's CSE hashes a node's arguments, hash(-1) ==
     # hash(-2) in CPython, and the colliding second reduction was never merged across layers.
@@ -191,12 +170,9 @@ def outer_factors(mask4: torch.Tensor):
     ``m[:, None, None, :] * m[:, None, :, None]``): ``(keep_q [B|1, Sq], keep_k [B|1, Sk], bad)``.
 
     ``keep_q``: the queries that attend a key; ``keep_k``: the keys some query attends, every
-    key where none is (an element whose queries all attend nothing: its rows are zeroed by
-    ``keep_q``, and no kernel sees an element without keys). ``bad``: a 0-d bool on the device,
-    False exactly when the mask equals ``keep_q`` x ``keep_k``. Masked SDPA with the mask is
-    then SDPA with the key-padding mask ``keep_k`` with its rows multiplied by ``keep_q``: a
-    row with no key is zeros in both, and its zero output gradient gives nothing to q, k or v.
-    A few tensor ops and no sync: this runs in every attention call of a host-bound step."""
+    key where none is (no kernel sees an element without keys). ``bad``: a 0-d bool on the
+    device, False exactly when the mask equals ``keep_q`` x ``keep_k``; then masked SDPA equals
+    SDPA with key padding ``keep_k``, rows multiplied by ``keep_q``. No sync."""
     m = mask4[:, 0]  # dims counted from the front (read_padding says why)
     keep_q, keep_k = m.any(dim=2), m.any(dim=1)
     bad = m.ne(keep_q[:, :, None] & keep_k[:, None, :]).any()

@@ -1,19 +1,10 @@
 """``enable_varlen(model)``, ``disable_varlen(model)`` and ``varlen(model)``.
 
-``enable_varlen`` adds forward hooks to the model and to its attention modules (those with a
-diffusers ``processor``): while one of them runs on a thread, the SDPA calls made on that thread
-are varlen_attn's, with the model's policy (:mod:`varlen_attn.hook`). That covers the model's
-forward and, in backward, the recomputation of checkpointed blocks, whose attention modules run
-again. Each call's plan comes from its own mask (a plan kept for a shape is reused only for a
-mask equal to its own in value), nothing is followed or learned, and ``model.forward`` stays the
-class's own. With ``trim_text``, the model's pre-hook also cuts padded text columns
-(:mod:`varlen_attn.trim`).
-
-Gradient checkpointing: diffusers' Chroma calls its checkpointed single blocks without
-``attention_mask``, so stock attends to the padding there. With ``restore_checkpoint_mask=True``
-(default) the mask the model was called with is passed back in (the model's
-``_gradient_checkpointing_func`` is wrapped, :class:`_Checkpoint`), so a masked model trains the
-same with and without checkpointing; ``False`` keeps stock's behaviour.
+``enable_varlen`` adds forward hooks to the model and its attention modules: while one runs on a
+thread, that thread's SDPA calls are varlen_attn's, with the model's policy (:mod:`varlen_attn.hook`),
+also in the recomputation of checkpointed blocks. ``model.forward`` stays the class's own. With
+``restore_checkpoint_mask`` Chroma's checkpointed blocks get the model's mask back
+(:class:`_Checkpoint`). docs/design.md has the full story.
 """
 
 from __future__ import annotations
@@ -60,13 +51,11 @@ class _State:
         return policy
 
 
-# diffusers classes whose every attention mask with rows is the outer product of the mask the model
-# was called with (diffusers 0.42.1, transformer_chroma.py: ``attention_mask[:, None, None, :] *
-# attention_mask[:, None, :, None]`` in every block). Such a mask runs as key padding
-# (execution.attend_outer) with its device check read once when the forward ends, not in every
-# call: 114 reads a full-depth Chroma step otherwise. Elsewhere a mask with rows is checked in its
-# own call (HunyuanVideo's token refiner, for one, gives padded queries key 0: no outer product,
-# and a deferred check would run every forward twice).
+# diffusers classes whose every attention mask with rows is the outer product of the model's mask
+# (diffusers 0.42.1, transformer_chroma.py). Its device check is read once when the forward ends,
+# not in every call (114 reads a full-depth Chroma step otherwise, ~0.8 ms each: NOTES.md entry 48).
+# Others are checked per call (HunyuanVideo's token refiner is no outer product: a deferred
+# check would fail and run every forward twice).
 OUTER_MASKS = {"ChromaTransformer2DModel": "attention_mask"}  # class name -> its [B, S] mask argument
 
 
@@ -153,10 +142,8 @@ def _enter_attention(module, args):
     top = current()
     if top is not None and top.policy is state._policy:
         return  # inside its model's forward: that entry routes the module (its leave pops only its own)
-    # In backward, the recomputation of a block the caller checkpointed (diffusers' checkpointing
-    # binds its forward's checks, _Recomputed): its masks are those its forward checked (not read;
-    # rows NaN should one differ). A forward run again after a failed check, with such a block,
-    # therefore fails loudly in its backward (NaN, or torch's CheckpointError), never silently.
+    # In backward, a recomputed checkpointed block reuses its forward's checks, unread (_Recomputed):
+    # a forward run again after a failed check fails loudly there (NaN or CheckpointError).
     unread = state.defers is not None and torch._C._current_autograd_node() is not None
     push(Entry(state.policy(), owner=module, checks=UNREAD if unread else None))
 
@@ -216,10 +203,9 @@ def enable_varlen(
             runs); ``"error"``: raise. Other additive masks keep SDPA's reading under every policy.
         restore_checkpoint_mask: pass the model's ``attention_mask`` to checkpointed blocks that
             diffusers calls without it (Chroma's single blocks).
-        in_graph: under ``torch.compile`` (compiled blocks or the whole model), attention with a
-            boolean key-padding mask runs inside the compiled graph, its plan traced into it (no
-            host read, no Python of ours at run time beyond FA4's kernel op), where the backend's
-            kernel traces (``torch``; ``reference`` on the CPU) or has its own entry points (FA4).
+        in_graph: under ``torch.compile``, attention with a boolean key-padding mask runs inside
+            the compiled graph, its plan traced into it (no host read), where the backend's kernel
+            traces (``torch``; ``reference`` on the CPU) or has its own entry points (FA4).
             False: varlen_attn's custom op everywhere (one host read per call where a plan needs one).
         trim_text: before each forward of a model listed in :data:`varlen_attn.trim.TEXT_INPUTS`
             (Chroma, Qwen-Image, HunyuanVideo, Sana, PixArt, LTX-Video), cut the trailing text columns that
@@ -231,8 +217,7 @@ def enable_varlen(
         ``model`` itself; :func:`varlen` is the context-manager form.
     """
     if not isinstance(model, torch.nn.Module):
-        # A diffusers pipeline (known by class name: diffusers is not imported here) or a holder of
-        # a transformer: one line naming the part to pass, not describe()'s repr (a config dump).
+        # A diffusers pipeline (by class name: diffusers is not imported here): name the part to pass.
         if (any(c.__name__ == "DiffusionPipeline" for c in type(model).__mro__)
                 or isinstance(getattr(model, "transformer", None), torch.nn.Module)):
             part = ("unet" if getattr(model, "transformer", None) is None
@@ -261,9 +246,8 @@ def enable_varlen(
             state.saved_backends.append((proc, proc._attention_backend))
             proc._attention_backend = None
         state.attention.append(module)
-    # A model with no diffusers attention module (any module calling SDPA): every submodule pushes
-    # the policy, so the recomputation of a checkpoint around any of them is routed as its forward
-    # was (a hook costs a few microseconds a module call; diffusers models hook their attention only).
+    # No diffusers attention module: every submodule pushes the policy, so a checkpoint's
+    # recomputation around any of them is routed as its forward was.
     hooked = state.attention or [m for m in model.modules() if m is not model]
     for module in hooked:
         module._varlen_owner = state
@@ -317,13 +301,10 @@ class varlen:  # noqa: N801 - a context manager named like the function it wraps
 # -- compiled submodules ---------------------------------------------------------------------
 
 class _Boundary:
-    """The compiled call of a submodule while the model is enabled: ``module._compiled_call_impl``
-    (``module.compile()``, as diffusers' regional compilation and OneTrainer do) or an
-    ``OptimizedModule``'s ``forward`` (``torch.compile(module)``). It runs the compiled code with
-    the model's policy on this thread's stack, also where nothing else put it there: in backward,
-    the recomputation of a checkpoint around the module (whose attention hooks, traced into the
-    graph, push nothing at run time). Compiled code guards on that stack, so without it the
-    recomputation would trace stock attention and differ from its forward."""
+    """The compiled call of a submodule while the model is enabled (``module._compiled_call_impl``
+    or an ``OptimizedModule``'s ``forward``): runs it with the model's policy on this thread's
+    stack, also in a checkpoint's recomputation, where traced hooks push nothing (compiled code
+    guards on that stack)."""
 
     def __init__(self, inner, state: _State):
         self.inner = inner
@@ -375,9 +356,8 @@ def _install_compiled(model: torch.nn.Module, state: _State) -> None:
 
 class _Checkpoint:
     """A module's ``_gradient_checkpointing_func`` while the model is enabled: gives diffusers'
-    checkpointed blocks back the mask of the forward running on this thread where diffusers left
-    it out. The checkpoint saves it with the block's inputs, so the recomputation gets it too.
-    A plain object: it deep-copies and pickles with its module."""
+    checkpointed blocks back the forward's mask where diffusers left it out (saved with the
+    block's inputs, so the recomputation gets it too)."""
 
     def __init__(self, func):
         self.func = func
@@ -402,10 +382,9 @@ class _Checkpoint:
 
 
 class _Recomputed:
-    """A checkpointed block of a forward of a model in ``OUTER_MASKS``: called again in backward,
-    it runs with that forward's checks (:class:`varlen_attn.execution.Deferred`: its mask
-    factors, flags not read), or with none (``checks`` None: a forward run again after a failed
-    check; each call reads its own); the forward's own call passes through."""
+    """A checkpointed block of a model in ``OUTER_MASKS``: recomputed in backward, it runs with
+    its forward's checks (:class:`varlen_attn.execution.Deferred`, not read), or with none
+    (``checks`` None: each call reads its own); the forward's own call passes through."""
 
     def __init__(self, block, policy, checks):
         self.block, self.policy, self.checks = block, policy, checks

@@ -1,28 +1,10 @@
 """Attention under ``torch.compile``: custom ops, opaque to dynamo and inductor.
 
-Under compilation the functional entries (and through them an enabled model's SDPA calls) call
-:func:`attention`, which calls ``torch.ops.varlen_attn.attention_v4`` (under CUDA graphs another
-path, below: "Under CUDA graphs"; for a key-padding mask of an enabled model, attention in the
-graph itself, below: "In the graph"). Everything data-dependent happens inside that op, at run time, through the same code
-as the eager path: the plan
-(:func:`varlen_attn.policy.resolve_plan`, or a prebuilt plan named by its ``token``), the route
-and its execution (:mod:`varlen_attn.execution`). The graph sees only padded tensors in and
-out, with fixed shapes, so:
-
-* no graph break: the op has a fake implementation (shapes only);
-* no recompilation when the mask changes: a prebuilt plan reaches the op as its CPU ``token``
-  tensor (a tensor input, never specialized on), and no length, total or packability is read
-  while tracing; the whole policy (:class:`~varlen_attn.policy.Policy`) travels as constant
-  arguments.
-
-Autograd: ``varlen_attn::attention_backward_v4``. The forward's plan and route are kept in this
-module's registry under a handle the op returns (saved for backward), so the backward neither
-re-plans nor re-routes (also under saved-tensor hooks that hand it a copy of the handle: the
-entry is kept for the copy); of the forward's mask it takes a float bias only, saved as SDPA
-saves one (a boolean mask's values are in the entry, see ``_kept_mask``). A route with a native
-backward (FA4) runs it on re-gathered tensors (the log-sum-exp travels in a
-fixed-size ``[Hq, B*Sq]`` buffer: packed shapes are unknown at trace time); other routes
-recompute the forward under autograd inside the backward op (one extra forward). Dropout is refused under compilation (a recomputed forward would draw another mask).
+:func:`attention` calls ``torch.ops.varlen_attn.attention_v4``, which plans and routes at run time
+through the eager path's code; the graph sees padded tensors only (a fake implementation, no
+recompilation when the mask changes). Two other paths: "Under CUDA graphs" (a static plan built in
+the graph) and "In the graph" (key padding of an enabled model), below. The backward op reads the
+forward's plan and route from this module's registry. docs/design.md ("Under torch.compile").
 """
 
 from __future__ import annotations
@@ -49,9 +31,8 @@ from .plan import (STATIC_PROBLEMS, VarlenPlan, is_key_padding, key_padding_side
                    read_float01_as_bool, refuse_nan_inf, static_plan_of, static_plan_tensors_of, unpackable_reason)
 from .policy import Policy, float_mask_read_as_bool, mask_info
 
-# torch.compile is supported from this torch on: the whole compile suite passes on 2.10, 2.13
-# and 2.15; on 2.6 and 2.8 whole-model compile recompiled for every new mask, on 2.5 regional
-# compile failed. Below it, compiling refuses clearly instead of running something else.
+# The compile suite passes on 2.10, 2.13 and 2.15; on 2.6 and 2.8 whole-model compile recompiled
+# for every new mask. Below it, compiling refuses.
 COMPILE_MIN_TORCH = "2.10"
 COMPILE_SUPPORTED = torch.torch_version.TorchVersion(torch.__version__) >= COMPILE_MIN_TORCH
 
@@ -82,18 +63,10 @@ _refuse_compile = _compiler_disabled(_raise_compile_unsupported,
                                      f"varlen_attn refuses torch.compile below torch {COMPILE_MIN_TORCH}")
 
 
-# The one registry: op-output handle -> (plan, route, mask, options, convention) of an attention
-# call (the mask as _kept_mask keeps it), while a handle of it lives. The backward reads its call's entry only (attention_backward_op). Saved-tensor hooks that
-# copy what autograd saves (offloading: ``save_on_cpu(pin_memory=True)``) hand the backward a copy
-# of the handle, and the original may die with the forward. So an entry made, where a backward may
-# follow, under saved-tensor hooks other than torch's checkpoint's (which keep the handle or
-# recompute it) is marked ``keep``: when its last handle dies before a backward got a copy, it
-# waits (``_waiting``) under its number, which the copies hold. A backward that gets a copy adopts
-# it: the entry lives as long as its original or an adopted copy does (a second backward through a
-# retained graph gets the same copy from save_on_cpu-like hooks). At most _KEPT_MAX entries and
-# _KEPT_BYTES of kept masks wait, the oldest going first (training forwards under such hooks whose
-# backward never runs, and the forward calls of checkpointed bodies dynamo traced, whose backward
-# takes the recomputation's entries).
+# The registry: op-output handle -> (plan, route, kept mask, options, convention), while a handle
+# lives. Saved-tensor hooks other than checkpoint's (e.g. save_on_cpu) may hand the backward a copy
+# of the handle after the original died: such entries are marked ``keep`` and wait (``_waiting``)
+# until a backward adopts a copy; at most _KEPT_MAX entries and _KEPT_BYTES of masks, oldest first.
 
 
 class _Record:
@@ -172,18 +145,15 @@ def _hooks_may_copy() -> bool:
     return hooks is not None and not getattr(hooks[0], "__qualname__", "").startswith(_CHECKPOINT_HOOKS)
 
 
-# What an entry keeps of a masked SDPA call's mask where no backward can follow (traced without
-# grad): no copy is made, and a backward that finds this says so (it cannot happen: no graph).
+# An entry's mask where no backward can follow (traced without grad): no copy is made.
 _NOT_KEPT = "not kept: traced without grad"
 
 
 def _kept_mask(plan: VarlenPlan | None, r, mask4: Tensor | None, training: bool):
-    """What the entry keeps of the mask for the backward of a call on route ``r``. A varlen route
-    reads its plan only: nothing. Masked SDPA reads the mask: a boolean one (or a float 0/1 mask
-    read as one) as a copy made at the call, as SDPA's backward reads a conversion made at its
-    call, so a write in place after the call does not reach it; a float bias is saved by the op's
-    autograd instead, as SDPA saves it (:func:`_setup_context`), and not kept here. A call traced
-    without grad (``training`` False: inference, a frozen model) has no backward: no copy."""
+    """What the entry keeps of the mask for the backward on route ``r``: nothing for a varlen
+    route; for masked SDPA a copy of a boolean (or float 0/1 read as bool) mask, so a later write
+    in place does not reach it (a float bias is saved by autograd instead); without ``training``,
+    :data:`_NOT_KEPT`."""
     if r.impl is not None or mask4 is None:
         return None
     if not training:
@@ -193,15 +163,12 @@ def _kept_mask(plan: VarlenPlan | None, r, mask4: Tensor | None, training: bool)
     return mask4.clone() if mask4.dtype == torch.bool else None
 
 
-# In the names of the three ops below. Inductor's on-disk cache keys a compiled graph by its forward
-# (the ops it calls and their arguments), not by the backward registered for an op: after a change
-# of what the backward op takes, a cached graph would call it the old way. So such a change also
-# changes this suffix, and with it the forward op's name and every cache key.
+# In the ops' names: changed with the backward op's schema, since inductor's on-disk cache keys a
+# graph by its forward only (benchmarks/NOTES.md entry 22).
 _CONTRACT = "_v4"
 
-# The attention ops read the plan on the host at run time (and may build it): a CUDA graph replaying them
-# would replay the last batch's plan. Tagged, inductor's CUDA graphs (mode="reduce-overhead")
-# capture the rest of the graph around them (graph partitions) instead.
+# The ops read the plan on the host at run time: tagged, inductor's CUDA graphs capture the rest
+# of the graph around them (graph partitions).
 _NOT_CAPTURABLE = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cudagraph_unsafe") else ()
 
 
@@ -280,12 +247,9 @@ def _cuda_graphs_requested() -> bool:
 @torch.library.custom_op(f"varlen_attn::attention_backward{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
 def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                           handle: Tensor, bias: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
-    """The forward's gradients, on its plan and route, from the registry under ``handle`` (also
-    where the handle is a copy made by saved-tensor hooks: the entry was kept for it). ``bias``:
-    the call's mask where it is a float one (saved as SDPA saves a float bias), which masked SDPA
-    reads; every other mask is read from the entry (:func:`_kept_mask`). The forward's mask is
-    not an input: a boolean mask is not saved for backward, so a write in place after the call
-    runs as with SDPA."""
+    """The forward's gradients, on its plan and route, from the registry entry under ``handle``
+    (or a copy of it). ``bias``: the call's mask where it is a float one; any other mask is read
+    from the entry (:func:`_kept_mask`)."""
     with torch._C.DisableTorchFunction():
         entry = _held(handle, backward=True)
         if entry is None:
@@ -350,11 +314,8 @@ def _autograd_dispatch():
 def _setup_context(ctx, inputs, output):
     q, k, v, mask = inputs[:4]
     out, lse, handle = output
-    # Saved: what the backward op takes. A boolean mask is not (the backward reads its entry): a
-    # save checks that nothing writes the tensor in place until the backward, and a write after
-    # the call (code may, with SDPA) stopped AOTAutograd's trace, or the backward between compiled
-    # blocks, where SDPA, which saves a conversion of it, runs. A float mask is saved, as SDPA saves
-    # a float bias: written in place after the call, both refuse.
+    # A boolean mask is not saved (a write in place after the call, which SDPA allows, would stop
+    # the backward); a float mask is, as SDPA saves a float bias.
     bias = mask if mask is not None and mask.is_floating_point() else None
     ctx.save_for_backward(q, k, v, out, lse, handle, bias)
     ctx.rest = len(inputs) - 3  # mask ... training
@@ -402,10 +363,9 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
 
 
 def _stock_by_cost(q, k, mask4, opts: Options, policy: Policy) -> bool:
-    """auto leaves this traced call to stock's masked SDPA, traced into the graph in its place:
-    its lengths are known to be below the crossover (:func:`varlen_attn.costs.kernel_crossover`)
-    of the kernel the graph would pack with. A length dynamo traces as a symbol (dynamic shapes)
-    counts as known only where provable: otherwise the call packs, and no guard is added."""
+    """auto leaves this traced call to stock's masked SDPA: its lengths are provably below the
+    crossover (:func:`varlen_attn.costs.kernel_crossover`) of the kernel the graph would pack
+    with. A symbolic length that cannot be proven packs; no guard is added."""
     if not execution.cost_applies(policy, opts.causal, mask4.is_floating_point()):
         return False
     # Read without a guard: a mask's row count may be a symbol (an outer product's Sq).
@@ -432,19 +392,10 @@ def _cost_bound(dtype, device_type: str, device_index, layout: str, in_graph: bo
 
 
 # --- Under CUDA graphs -------------------------------------------------------------------------
-# A CUDA graph replays the kernels it recorded, with the arguments they had: the op above, which
-# reads its plan on the host at run time, cannot be in one. When the graph being traced will be
-# captured (torch.compile(mode="reduce-overhead")), attention is traced instead to a plan built in
-# the graph from the mask, with no host read and shapes fixed by B, Sq and Sk
-# (varlen_attn.plan.static_plan_tensors_of), and to ``static_attention``, which runs the kernel on
-# that plan and hands it to its backward. A replay rebuilds the plan from the new mask. Being in
-# the graph, the plan is fused by inductor into a few kernels; a training graph whose layers share
-# a mask (a whole model compiled) plans it once (AOTAutograd merges equal subexpressions in the
-# joint forward-backward graph only: an inference graph plans per layer); a graph per block plans
-# once per block.
+# A replayed graph cannot read a plan on the host: attention is traced to a plan built in the graph
+# (plan.static_plan_tensors_of, no host read, shapes fixed by B, Sq, Sk) and ``static_attention``.
 
-# Devices whose graphs CUDA graphs capture (on others inductor skips them, and the compiled op
-# above, with its one plan per step, is the better path). Tests add "cpu" to run this path there.
+# Devices whose graphs CUDA graphs capture. Tests add "cpu" to run this path there.
 CAPTURED_DEVICES = frozenset({"cuda"})
 
 
@@ -631,14 +582,9 @@ static_attention_op.register_autograd(_static_backward, setup_context=_static_se
 
 
 # --- In the graph -------------------------------------------------------------------------------
-# In compiled code of an enabled model (``Policy.in_graph``), a boolean key-padding mask (every
-# query of an element keeps the same keys: known from its shape and dtype while tracing) needs no
-# host read at all: its plan is built on the device by a small op (key_padding_plan_op), the
-# queries stay in place, and the keys and values are gathered into packed order in the graph.
-# The kernel is traced too where it traces (``Backend.TRACEABLE``: ``torch``, whose aten forward
-# autograd differentiates) or, where it has its own forward and backward entry points (FA4), runs
-# in the opaque op at the end of this module. Every other mask takes the custom op above (one
-# host read a call).
+# An enabled model's boolean key-padding mask (``Policy.in_graph``) needs no host read: the plan
+# comes from a small op (key_padding_plan_op), keys and values are gathered in the graph, and the
+# kernel is traced (``TRACEABLE``) or runs in the opaque native_kernel op (FA4).
 
 
 @torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
@@ -677,11 +623,9 @@ def _traced_kernel(name: str):
 @torch.library.custom_op("varlen_attn::key_padding_plan", mutates_args=())
 def key_padding_plan_op(valid: Tensor, batch: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """A key-padding mask's rows ``valid [B|1, Sk]`` (bool) -> ``(dead [B], order [B*Sk] int64,
-    cu_seqlens [B+1] int32, padding [B*Sk] bool)``
-    (:func:`varlen_attn.plan.key_padding_side`): device work, no host read. An op, not traced
-    tensor ops: inductor's Triton code generation failed on the plan's row-wise cumsum at 1536
-    keys (torch 2.11, H200: "list indices must be integers or slices, not NoneType" in a
-    SplitScan), and an op keeps it out of every graph's code."""
+    cu_seqlens [B+1] int32, padding [B*Sk] bool)`` (:func:`varlen_attn.plan.key_padding_side`).
+    An op, not traced ops: inductor's Triton codegen failed on its row-wise cumsum at 1536 keys
+    (torch 2.11, H200: "list indices must be integers or slices, not NoneType" in a SplitScan)."""
     with torch._C.DisableTorchFunction():
         dead, (order, _, cu, padding) = key_padding_side(valid[:, None, None, :], batch=batch, seqlen_k=valid.shape[-1])
         return dead, order, cu, padding
@@ -707,12 +651,8 @@ def _in_graph_attention(q, k, v, mask4: Tensor, chosen: str, scale: float) -> Te
     return out.masked_fill(dead.view(b, 1, 1, 1), 0)
 
 
-# The kernel of a backend whose interface dynamo cannot trace but which has its own forward and
-# backward entry points (NATIVE_BACKWARD: FA4), as an opaque op of the in-graph route: packed rows
-# in the static layout in (rows past ``cu_seqlens[-1]`` read by no segment, and their output and
-# gradients left as the kernel leaves them: the route's scatters drop them), ``(out, lse)`` out,
-# and the kernel's own backward as its gradient. Nothing here reads the host: shapes and bounds
-# are the static layout's.
+# An untraceable kernel with its own backward (NATIVE_BACKWARD: FA4) as an opaque op of the
+# in-graph route: packed rows in the static layout, ``(out, lse)`` out, no host read.
 
 
 def _static_inputs(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> VarlenInputs:

@@ -1,18 +1,10 @@
 """Standalone unpad/pad utilities, drop-in compatible with ``flash_attn.bert_padding``.
 
-``unpad_input`` and ``pad_input`` take the same arguments and return the same tuple and dtypes
-as flash-attn's functions of the same names, without needing flash-attn installed; gathers and
-scatters use exact, atomic-free autograd. ``unpad_input`` syncs once (for ``max_seqlen``),
-flash-attn's twice. To sync zero times per layer, build a :class:`~varlen_attn.plan.VarlenPlan`
-once and use :func:`varlen_attn.pack` / :func:`varlen_attn.unpack` with it.
-
-Masks are read as ``nonzero = valid`` everywhere, for every dtype flash-attn accepts (bool,
-integer, floating). flash-attn computes the lengths as ``mask.sum(dtype=torch.int32)`` and the
-indices as ``torch.nonzero(mask)``, which agree for 0/1 masks only: with any other value (``2``,
-``-1``, ``0.5``, or integer ``attention_mask`` and ``unused_mask`` that overlap, which flash-attn
-adds into 2s) its ``cu_seqlens`` no longer match its ``indices`` and rows land in the wrong
-sequences. Here lengths and indices both come from one boolean mask, so they always agree; for
-0/1 masks (and bool masks) the results are identical to flash-attn's.
+``unpad_input`` and ``pad_input`` take and return what flash-attn's functions of the same names
+do, without flash-attn installed; ``unpad_input`` syncs once (flash-attn twice). Masks are read
+as ``nonzero = valid``, lengths and indices from one boolean mask, so they always agree (flash-attn's
+disagree for values other than 0/1); for 0/1 and bool masks the results equal flash-attn's. For no
+sync per layer, use a :class:`~varlen_attn.plan.VarlenPlan` with :func:`varlen_attn.pack`.
 """
 
 from __future__ import annotations
@@ -48,8 +40,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unuse
     Args:
         hidden_states: ``[B, S, ...]``.
         attention_mask: ``[B, S]`` bool, integer or floating; nonzero = valid token (anywhere in
-            the row). Any nonzero value counts as one token (flash-attn sums the values for the
-            lengths but takes ``nonzero`` for the indices, which disagree unless the mask is 0/1).
+            the row). Any nonzero value counts as one token.
         unused_mask: optional ``[B, S]``, same dtypes, tokens that are allocated but not used
             (kept in the output and in ``cu_seqlens``, excluded from ``seqused``), as in
             flash-attn. A token nonzero in both masks is one used token.

@@ -1,23 +1,10 @@
 """Ulysses context parallelism for masked attention, on ``torch.distributed`` only.
 
-Each rank of a process group holds a contiguous slice of the sequence (``[B, S_r, H, D]``).
-:func:`ulysses_attention` exchanges the slices with one all-to-all so that each rank holds the
-*whole* sequence for ``H / P`` of the heads, runs :func:`varlen_attn.attention` there, and
-exchanges back. q, k and v share the first all-to-all when their slices are equally long (one
-copy into the send buffer; q, k and v are views of the received one): two exchanges per call
-in self-attention, three in cross-attention. Attention over the whole sequence needs no new
-plan and no new mask logic: the full mask, replicated on every rank, means the same thing for
-every head group, so the plan of a single-process run is used unchanged (built once per batch,
-one sync on each rank, no collective for it).
-
-Uneven lengths (``S`` not divisible by ``P``) use all-to-all with split sizes, not padding:
-padding would need a second mask and would send padded tokens over the wire. The sharding
-convention is :func:`shard_sequence`'s, that of ``torch.tensor_split``: rank ``r`` holds
-``S // P + (r < S % P)`` tokens, in rank order. Every rank derives every rank's length from
-the full length (the mask's or plan's), so no lengths are exchanged.
-
-An adapter layer: it imports from :mod:`varlen_attn.functional` and below; nothing below
-imports it.
+Each rank holds a contiguous slice of the sequence (``[B, S_r, H, D]``); :func:`ulysses_attention`
+exchanges the slices by all-to-all so each rank holds the whole sequence for ``H / P`` heads, runs
+:func:`varlen_attn.attention` with the full mask (the single-process plan, unchanged), and
+exchanges back. Uneven lengths use split sizes (:func:`shard_sequence`'s convention, that of
+``torch.tensor_split``). docs/multi_gpu.md ("Ulysses context parallelism") has the story.
 """
 
 from __future__ import annotations
@@ -56,10 +43,9 @@ def shard_sequence(x: torch.Tensor, *, group=None, dim: int = 1) -> torch.Tensor
 
 
 class _AllToAll(torch.autograd.Function):
-    """All-to-all along dim 0 with split sizes, differentiable: the gradient travels back by the
-    same exchange with the split sizes swapped. The functional collective, waited for at once:
-    torch.compile traces it as is, and eagerly the result is a plain tensor (not an
-    ``AsyncCollectiveTensor``, which some kernels past the dispatcher cannot take)."""
+    """All-to-all along dim 0 with split sizes, differentiable (the gradient goes back with the
+    sizes swapped). The functional collective, waited for at once: a plain tensor eagerly (some
+    kernels cannot take an ``AsyncCollectiveTensor``), traced as is by torch.compile."""
 
     @staticmethod
     def forward(ctx, x, send: list[int], recv: list[int], group):
@@ -74,10 +60,8 @@ class _AllToAll(torch.autograd.Function):
 
 def _seq_to_heads(xs: list[torch.Tensor], sizes: list[int], world: int, group) -> list[torch.Tensor]:
     """``[B, S_r, H_i, D_i]`` (this rank's tokens, all heads) -> ``[B, S, H_i/P, D_i]`` (all tokens,
-    this rank's head group), for tensors of one batch, length and dtype in one exchange: one copy
-    into the send buffer ``[P, S_r, B, sum_i H_i/P * D_i]``, whose chunk ``j`` (this rank's tokens of
-    head group ``j`` of every tensor) goes to rank ``j``; the results are views of the received
-    ``[S, B, sum_i H_i/P * D_i]``, rank order = sequence order."""
+    this rank's head group), for tensors of one batch, length and dtype in one exchange (one copy
+    into the send buffer; the results are views of the received one)."""
     b, s = xs[0].shape[:2]
     heads = [(x.shape[2] // world, x.shape[3]) for x in xs]
     send = torch.cat([x.reshape(b, s, world, h, d).permute(2, 1, 0, 3, 4).flatten(3)

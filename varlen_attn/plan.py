@@ -1,15 +1,8 @@
 """The plan: a mask turned into what a varlen kernel needs.
 
-:func:`call_plan` builds the plan of one attention call from that call's own mask (what enabled
-models and the functional entries use): a boolean key-padding mask on the device with no host
-read, any other mask with one. :func:`build_plan` is the explicit API: it reads the mask on its
-device (:mod:`varlen_attn.masks`), copies the few numbers the host needs in **one**
-device-to-host transfer, and returns a frozen :class:`VarlenPlan` with host copies of every
-segment length, to pass to every layer (``attention(plan=...)``); using a plan never syncs.
-``build_plan`` caches plans by mask tensor *object*, reused only after a check on the device that
-the mask still holds the values the plan was built from (one host read instead of a build's
-one; see :class:`_PlanCache`). :func:`clear_plan_cache` empties that cache;
-``build_plan(..., cache=False)`` bypasses it.
+:func:`call_plan`: one attention call's plan from its own mask (no host read for boolean key
+padding, one otherwise). :func:`build_plan`: the explicit API, one host read, cached by mask
+object (:class:`_PlanCache`). docs/design.md ("One attention call, eager") has the story.
 """
 
 from __future__ import annotations
@@ -177,9 +170,8 @@ def _rebuild(cls, fields: dict) -> VarlenPlan:
     return cls(**fields)
 
 
-# token value -> plan, while the plan lives: a copy of a token still names its plan (saved-tensor
-# hooks that offload or copy what autograd saves, such as save_on_cpu(pin_memory=True), hand the
-# backward a copy, not the token itself).
+# token value -> plan, while the plan lives: a copy of a token (from saved-tensor hooks such as
+# save_on_cpu) still names its plan.
 _token_ids = itertools.count(1)
 _plans_by_token: "weakref.WeakValueDictionary[int, VarlenPlan]" = weakref.WeakValueDictionary()
 
@@ -293,9 +285,8 @@ def build_plan(
 
     def build(mask):
         _stats.record_plan_build()
-        # A float 0/1 mask read additively (SDPA's reading: 1 adds one to the scores, 0 drops
-        # nothing) is almost surely a keep-mask: the build tells, in its one host read, whether
-        # the mask is one (read as bool); then it warns once and reads it as SDPA does after all.
+        # A float 0/1 mask read additively is almost surely a keep-mask: the build's one read tells;
+        # then it warns once and reads it as SDPA does.
         probe = not float01_as_bool and mask.is_floating_point()
         plan = _build(mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, float01_as_bool or probe)
         if probe and plan.read_as_bool:
@@ -472,19 +463,10 @@ def static_plan_tensors_of(mask4: torch.Tensor, *, batch: int, seqlen_q: int, se
                            float01_as_bool: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A plan from a ``[B|1, H|1, Sq|1, Sk]`` mask with **no host read** (what a CUDA graph can
     capture), as tensors: ``(plan tensors, problems)``, the plan's order, inverse and cu_seqlens
-    in one int64 vector (:func:`static_plan_of` reads it). Every shape is fixed by ``B``, ``Sq``
-    and ``Sk`` (see :attr:`VarlenPlan.static`), so the same kernels replay for any mask of that
-    shape. Such a layout has one segment per batch element: it fits padding masks
-    (:func:`varlen_attn.masks.read_padding`: key padding, query-and-key padding, diffusers' outer
-    products, additive ``-10000`` / ``-inf`` masks). Whether the mask is one is decided on the
-    device: ``problems`` is an int64 vector in :data:`STATIC_PROBLEMS` order, all zero when the
-    plan is exact, which the caller checks (a host read where one is allowed, a device assert
-    under capture).
-
-    Tensor ops only, with no host read and no Python state, so ``torch.compile`` traces it: under
-    CUDA graphs the plan is built in the compiled graph, where inductor fuses the mask reading into
-    a few kernels, and a training graph that plans one mask for several layers plans it once
-    (AOTAutograd merges common subexpressions of the joint forward-backward graph)."""
+    in one int64 vector (:func:`static_plan_of` reads it); shapes fixed by ``B``, ``Sq``, ``Sk``.
+    One segment per batch element: fits padding masks (:func:`varlen_attn.masks.read_padding`).
+    ``problems``: int64 in :data:`STATIC_PROBLEMS` order, all zero when the plan is exact (the
+    caller checks). Tensor ops only, so ``torch.compile`` traces it into the graph."""
     as_bool = torch.zeros((), dtype=torch.bool, device=mask4.device)
     if float01_as_bool and mask4.is_floating_point():
         mask4, as_bool = read_float01_as_bool(mask4)
@@ -505,11 +487,8 @@ def static_plan_of(tensors: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k
 def _static_side(valid: torch.Tensor):
     """``valid [B, S]`` -> (order, inverse, cu_seqlens), all int64: the valid positions of each
     element in order, elements in batch order, then every padding position; no host read.
-
-    Each position's packed row is counted, not sorted for: a valid one goes to its element's
-    start plus the valid positions before it in the row, a padding one past every valid row plus
-    the padding positions before it. (A stable sort of the bins took 16 radix passes, 62 of a
-    plan's 330 us on an H100: benchmarks/NOTES.md, entry 12.)"""
+    Rows are counted, not sorted for: a stable sort took 62 of a plan's 330 us on an H100
+    (benchmarks/NOTES.md, entry 12)."""
     b, s = valid.shape
     cu = torch.nn.functional.pad(valid.sum(dim=1).cumsum(0), (1, 0))
     before_valid = valid.to(torch.int64).cumsum(dim=1) - 1
@@ -521,14 +500,11 @@ def _static_side(valid: torch.Tensor):
 
 
 class _PlanCache:
-    """Plans kept with a copy of the mask each was built from (:func:`_compact_copy`), one per
-    key; a plan is taken only where the mask equals its copy in value, compared on the device in
-    one host read (counted in ``stats()["host_syncs"]``, in place of a build's one), so a mask
-    changed in any way, also through ``.data``, numpy, its storage or under inference mode (where
-    no version counter tells), is built anew. The key holds the mask's shape, dtype and device;
-    ``weak`` keys it also by the mask object, whose collection drops the entry (a tensor cannot
-    be a dict key: ``==`` is elementwise). A mask whose copy would exceed ``limit`` elements is
-    built every time, never kept; past ``capacity`` entries the oldest goes."""
+    """Plans kept with a copy of the mask each was built from (:func:`_compact_copy`); a plan is
+    taken only where the mask equals its copy in value (one host read, compared on the device),
+    so a mask changed in any way is built anew. ``weak``: keyed also by the mask object, whose
+    collection drops the entry. Masks over ``limit`` elements are never kept; past ``capacity``
+    entries the oldest goes."""
 
     def __init__(self, capacity: int, limit: int):
         self._entries: dict[tuple, tuple] = {}
@@ -575,10 +551,8 @@ def _compact_copy(mask: torch.Tensor, limit: int) -> torch.Tensor | None:
     return view.clone() if view.numel() <= limit else None
 
 
-# build_plan's plans, by mask object: masks up to 4 M elements (a per-forward [B, 1, S, S] mask of
-# a joint sequence is built each time). Attention calls' plans of masks other than boolean key
-# padding (call_plan), by structure: four, each copy up to 256 M elements (Chroma's 1024 px
-# [3, 1, 4608, 4608] mask has 64 M, 64 MB in bool; clear_plan_cache frees them).
+# build_plan's plans by mask object, masks up to 4 M elements; call_plan's by structure, four,
+# up to 256 M elements each (Chroma's 1024 px [3, 1, 4608, 4608] mask has 64 M).
 _CACHE = _PlanCache(capacity=32, limit=1 << 22)
 _CALL_PLANS = _PlanCache(capacity=4, limit=1 << 28)
 
@@ -621,12 +595,9 @@ def key_padding_side(mask4: torch.Tensor, *, batch: int, seqlen_k: int):
     """A boolean key-padding mask ``[B|1, 1, 1, Sk]`` -> ``(dead [B], (order, inverse, cu_seqlens
     int32, padding))``: the elements with no valid key (:attr:`VarlenPlan.dead`), and the static
     layout of the valid keys, where a dead element keeps all its keys (one full segment, never an
-    empty one). The order is a permutation of every row and the inverse its inverse, so
-    unpacking is a gather (:mod:`varlen_attn.pack`): at Qwen-Image 1024 px a third of the
-    ``index_copy`` it replaces (H200: 47 against 126 us for each of dk, dv). A handful of torch
-    calls, no host read: this runs in every attention call, where a host-bound step pays for
-    each call (a stable sort puts the valid rows first, in order: one call, where counting
-    positions (:func:`padding_side`) takes a dozen)."""
+    empty one). The inverse makes unpacking a gather: 47 against 126 us for ``index_copy`` per dk,
+    dv at Qwen-Image 1024 px (H200, benchmarks/NOTES.md entry 53). A stable sort, not counting
+    (:func:`padding_side`): one torch call against a dozen, in every attention call."""
     valid = mask4[:, 0, 0].expand(batch, seqlen_k)
     dead = valid.any(dim=1).logical_not()
     valid = valid | dead[:, None]
@@ -671,17 +642,12 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
 
     * A boolean key-padding mask (``[B|1, 1, 1, Sk]``: every query attends the same keys): a
       static plan built on the device with **no host read**; queries stay in place.
-    * Any other mask: the plan of an earlier call whose mask this one equals in value
-      (:data:`_CALL_PLANS`: one host read), else built: read as a padding mask on the device
-      (:func:`~varlen_attn.masks.read_padding`), its flags and two facts in **one** host read;
-      a padding mask gets a static plan (queries in place where all are valid), an unpackable one
-      a plan that says why, and a mask of several segments per element the general plan
-      (:func:`build_plan`, one more read). A mask that differs from the kept copy of its shape
-      takes that comparison's read too.
+    * Any other mask: a kept plan of an equal mask (:data:`_CALL_PLANS`, one host read), else
+      read as a padding mask in one host read: a static plan, an unpackable plan saying why, or,
+      for several segments per element, the general plan (:func:`build_plan`, one more read).
 
-    An element none of whose queries attends a key (caption dropout on a key-padding mask, an
-    all-masked row) keeps one full segment, so no kernel sees an empty one, and is named in
-    :attr:`VarlenPlan.dead`: attention zeroes its rows, as SDPA returns zeros there.
+    An element with no attended key keeps one full segment and is named in
+    :attr:`VarlenPlan.dead` (its rows zeroed, as SDPA's).
 
     ``host``: the general plan, segment lengths on the host (one read), for a backend that cannot
     run a static plan (``split_sdpa`` on a GPU)."""

@@ -1,19 +1,11 @@
 """Trim, before a model's forward, the trailing text columns that every sample of the batch masks.
 
-Attention packing skips padded text tokens inside attention only; every linear layer, norm and
-MLP still runs on them. Pipelines pad text to a fixed length (Chroma's to 512 T5 tokens, with all
-but the first padding token masked), so a batch of short prompts carries hundreds of columns that
-no sample reads. Where a model masks its text padding as keys and keeps text tokens apart
-everywhere else (per-token layers; positions that do not depend on the padded length; outputs
-that are image tokens only), a column every sample masks never reaches a kept token: cutting it
-changes no kept value. :data:`TEXT_INPUTS` lists the diffusers transformers where the code was read
-and the equality is tested (tests/test_trim.py); any other model is left untouched.
-
-Models whose padding is attended (Flux and SD3 call attention without a text mask) are not
-listed: their padded tokens change the result. The length kept is the last column any sample
-keeps, rounded up to :data:`BUCKET` (and never past the padded length), read from the mask in one
-host transfer per forward. A batch where some sample keeps no text column is not trimmed (a
-model that turns the mask into a -10000 bias would then average over every column).
+Packing skips padded text only inside attention; linear layers, norms and MLPs still run on it.
+Where a model masks its text padding as keys and keeps text tokens apart elsewhere, a column every
+sample masks never reaches a kept token, so cutting it changes no kept value. :data:`TEXT_INPUTS`
+lists the diffusers transformers where this was read and tested (tests/test_trim.py); Flux and SD3
+attend their padding and are not listed. The kept length is rounded up to :data:`BUCKET` (one host
+read per forward); a batch where some sample keeps no text column is not trimmed. docs/design.md.
 """
 
 from __future__ import annotations

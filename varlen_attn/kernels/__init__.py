@@ -27,21 +27,12 @@ BACKENDS: dict[str, Backend] = {
               FlexBackend(), SplitSdpaBackend(), ReferenceBackend())
 }
 
-# Priority for backend="auto", per device class (measurements and sources: docs/versions.md,
-# "Why auto's priority list is what it is").
-# Hopper and newer (sm90+): the Hopper-class kernels first (FA4, FA3); then PyTorch's built-in
-# varlen kernel, which beat one dense SDPA call per segment in the LoRA training step
-# (benchmarks/train_step.py, Chroma full depth, H200: 1948 against 1974 ms at 1024 px, 646
-# against 659 at 512 px); FA2 after them.
-# One order for every row length eagerly and on the custom op (compiled blocks before attention
-# ran in their graph; for the graph, see TRACED_FIRST below): in six side-by-side H100 step measurements at 512 px
-# (torch 2.11, FA4 4.0.0b36) FA4 beat `torch` four times (eager 748/852 and 759/833 ms, blocks
-# compiled 556/700 and 584/605) and lost twice (eager 856/792, compiled 1092/654), and FA4 won
-# every 1024 px cell (eager 1890/2159, compiled 1690/1753). A short-row rule (torch first below
-# 2048 keys) was tried and removed: the data did not carry it.
-# Ampere/Ada (sm80-89): FA2 varlen wins there (masked SDPA drops to the mem-efficient kernel;
-# public reports listed in docs/versions.md); the built-in FA2 kernel needs no install.
-# CPU: one dense SDPA call per segment beats the reference kernel's explicit matmuls.
+# Priority for backend="auto", per device class (sources: docs/versions.md, "Why auto's priority
+# list is what it is"; measurements: benchmarks/NOTES.md, "Backends").
+# sm90+: FA4, FA3, then `torch`, which beat split_sdpa in the Chroma step (H200: 1948 against
+# 1974 ms at 1024 px). One order for every row length eagerly: FA4 beat `torch` in four of six
+# H100 512 px steps and every 1024 px one (docs/versions.md).
+# sm80-89: FA2 varlen first (docs/versions.md). CPU: one SDPA per segment beats explicit matmuls.
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("split_sdpa", "reference"),
     "cuda_sm90": ("flash_attn_4", "flash_attn_3", "torch", "split_sdpa", "flash_attn", "flex", "reference"),
@@ -49,19 +40,11 @@ PRIORITY: dict[str, tuple[str, ...]] = {
 }
 
 
-# Compiled blocks (varlen_attn.op, "In the graph"): a kernel that traces (`torch`) runs inside
-# the block's graph with no Python at run time; one with its own entry points (FA4) runs in an
-# opaque op whose Python interface is host time on every call (forward, recomputation, backward).
-# At short rows the compiled step is host-bound and the traced kernel wins; at long rows FA4's
-# faster kernel does. Training step, H100, torch 2.11, FA4 4.0.0b36, full depth, LoRA,
-# checkpointing, every block compiled, in-graph FA4 / in-graph `torch` against stock compiled:
-# Chroma 512 px (1536 keys) 1.00x / 1.06x (3 rounds; `torch` ahead in every round) and 0.81x /
-# 0.89x (1 round, another machine); Qwen-Image 512 px (1536 keys) 0.98x / 1.12x (3 rounds);
-# Chroma 1024 px (4608 keys) 1.43x / 1.19x (1 round). Eagerly FA4 stays ahead at 512 px (Chroma
-# 1.09x / 1.06x). So in compiled blocks auto takes a kernel that traces first where rows have at
-# most TRACED_FIRST_MAX_KEYS keys, on the device class where this was measured (Hopper and newer);
-# between 1536 and 4608 keys nothing was measured. A length dynamo traces as a symbol (dynamic
-# shapes) counts as long: the choice adds no guard.
+# In compiled blocks' graphs a traced kernel (`torch`) has no Python at run time, FA4's opaque op
+# does: at short rows (host-bound) `torch` wins, at long rows FA4. H100 steps, in-graph FA4 /
+# `torch` against stock: 1536 keys Chroma 1.00x / 1.06x, Qwen-Image 0.98x / 1.12x; 4608 keys
+# Chroma 1.43x / 1.19x (benchmarks/NOTES.md entries 24-26); nothing measured between. A symbolic
+# length counts as long (no guard).
 TRACED_FIRST_MAX_KEYS = 2048
 TRACED_FIRST: dict[str, tuple[str, ...]] = {"cuda_sm90": ("torch",)}
 

@@ -109,18 +109,15 @@ class Backend:
     # True when forward_lse/backward call the kernel's own forward and backward entry points
     # (then pack + kernel + unpack run as one autograd node, varlen_attn.fused).
     NATIVE_BACKWARD: bool = False
-    # True when forward_lse and backward write into the zeros they are handed (``out``, ``lse``, ``grads``)
-    # and leave every row they compute nothing for as it was: rows past ``cu_seqlens[-1]``, and
-    # the queries of the plan's dead elements (VarlenPlan.dead), which they skip. The fused path
-    # then unpacks by gathers alone: no fill of padding or dead rows, a full pass over the
-    # tensor each (one call at Qwen-Image 1024 px on an H200: 4.75 -> 4.18 ms forward and
-    # backward, FA4's kernel alone 3.82; benchmarks/NOTES.md entry 53).
+    # True when forward_lse and backward write into the zeros they are handed (``out``, ``lse``,
+    # ``grads``), leaving rows past ``cu_seqlens[-1]`` and dead elements' queries as they were: the
+    # fused path then unpacks by gathers alone (Qwen-Image 1024 px, H200: 4.75 -> 4.18 ms, kernel
+    # alone 3.82; benchmarks/NOTES.md entry 53).
     INTO_ZEROS: bool = False
     # True when the kernel runs on the padded tensors itself (forward_padded): no pack, no unpack.
     PADDED: bool = False
-    # True when traced_forward can be traced by torch.compile and differentiated by autograd:
-    # under compiled blocks the whole call then runs inside the graph (varlen_attn.op, "In the
-    # graph"), with no Python of ours at run time but one plan lookup per call.
+    # True when traced_forward can be traced by torch.compile and differentiated by autograd
+    # (the whole call then runs inside the graph: varlen_attn.op, "In the graph").
     TRACEABLE: bool = False
 
     def runs_static(self, device_type: str) -> bool:
@@ -131,8 +128,7 @@ class Backend:
         return all(importlib.util.find_spec(m) is not None for m in self.REQUIRES)
 
     def installed(self) -> bool:
-        """``is_installed()``, asked once per process: selection runs in every attention call,
-        and a module search on sys.path is not free."""
+        """``is_installed()``, asked once per process (selection runs in every call)."""
         cached = self.__dict__.get("_installed")
         if cached is None:
             cached = self.__dict__["_installed"] = bool(self.is_installed())
@@ -183,9 +179,8 @@ class Backend:
     def backward(self, inp: VarlenInputs, out: torch.Tensor, lse: torch.Tensor, dout: torch.Tensor,
                  grads: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` on packed tensors: the kernel's own backward. Only for
-        ``NATIVE_BACKWARD`` backends; the others get gradients by autograd through
-        :meth:`forward` (eagerly, or recomputed inside varlen_attn.op's backward op). ``grads``:
-        zeros to write ``(dq, dk, dv)`` into, only for ``INTO_ZEROS`` backends."""
+        ``NATIVE_BACKWARD`` backends (others: autograd through :meth:`forward`). ``grads``: zeros
+        to write into, only for ``INTO_ZEROS`` backends."""
         raise NotImplementedError(f"backend {self.NAME!r} has no forward/backward entry points")
 
     def traced_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,

@@ -85,27 +85,21 @@ class FlashAttn4Backend(_FlashBackend):
     NAME = "flash_attn_4"
     MODULE = "flash_attn.cute"
     REQUIRES = ("flash_attn.cute",)
-    # flash-attn-4 4.0.0b36 declares its forward for compute capability 8.x-12.x and its
-    # backward for 9.x-12.x (asserts at the top of flash_attn.cute.interface's entry points):
-    # training needs both, so 9.0 is the floor. What it supports above that is its own to say:
-    # see ``MEASURED_MAJORS``.
+    # flash-attn-4 4.0.0b36 asserts its backward for compute capability 9.x-12.x (forward 8.x):
+    # training needs both, so 9.0 is the floor; above it see ``MEASURED_MAJORS``.
     MIN_COMPUTE_CAPABILITY = (9, 0)
     SUPPORTS_DROPOUT = False
     HEAD_DIM_MULTIPLE = 8
     # Measured on an H200 with flash-attn-4 4.0.0b36: at head dim 16 dq is wrong (relative
     # error ~1 against float64; out, dk, dv fine); 32 and up matched split_sdpa's error.
     MIN_HEAD_DIM = 32
-    # Compute-capability majors where the declarations above were measured (Hopper: H100, H200).
-    # On any other GPU (data-center Blackwell sm100, consumer Blackwell sm120, later ones) the
-    # installed FA4 decides: the first call of each kind is preceded by a check of FA4's own
-    # forward and backward on 64 tokens of that kind (:meth:`_verdict`), and what FA4 refuses or
-    # computes wrong there is a reason against it.
+    # Majors where the declarations above were measured (Hopper). Elsewhere the first call of each
+    # kind is preceded by a check of FA4 on 64 tokens (:meth:`_verdict`; benchmarks/NOTES.md entry 32).
     MEASURED_MAJORS = frozenset({9})
     _PROBE_TOKENS = (40, 24)  # two segments
 
     def __init__(self):
-        # kind of call -> None (runs) or the reason FA4 cannot run it: from the check above, or
-        # from a refusal at a real call (KernelRefusedError).
+        # kind of call -> None (runs) or why FA4 cannot run it (the check, or a refusal at a call).
         self._verdicts: dict[tuple, str | None] = {}
 
     def not_supported_reasons(self, inp: VarlenInputs) -> list[str]:
@@ -174,10 +168,8 @@ class FlashAttn4Backend(_FlashBackend):
     def _interface(self):
         return importlib.import_module("flash_attn.cute.interface")
 
-    # FA4 writes into buffers it is given (out=, lse=, dq=, dk=, dv=), never into rows past the last
-    # segment, and skips the queries past ``seqused_q``, leaving their rows of out and dq as they
-    # were and adding nothing to dk, dv for them (checked on an H200, FA4 4.0.0b36; the GPU tests
-    # hold it: tests/test_gpu.py).
+    # FA4 writes into the buffers it is given, never past the last segment, and skips queries past
+    # ``seqused_q`` (H200, FA4 4.0.0b36, benchmarks/NOTES.md entry 53; tests/test_gpu.py holds it).
     INTO_ZEROS = True
 
     def forward_lse(self, inp: VarlenInputs, out=None, lse=None):

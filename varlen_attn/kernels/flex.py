@@ -1,25 +1,11 @@
 """``flex``: PyTorch's FlexAttention on the *padded* tensors, with a block mask made once per plan.
 
-No install beyond torch, and no packing: the kernel reads ``[B, S, H, D]`` where it lies and
-skips the blocks the plan leaves empty, so a call issues no gather or scatter at all (the packed
-backends issue up to ten launches for them per forward and backward, which is what a host-bound
-step pays for). The plan's segments become a segment id per padded position (-1 for padding);
-a query and a key interact when their ids are equal and not -1. From those ids the block mask's
-tables are computed on the device (:func:`block_mask_of`): no dense ``Sq x Sk`` mask and no host
-read. Query rows in no segment come out as zeros, as SDPA's rows with no valid key.
-
-On CUDA the kernel is FlexAttention under ``torch.compile``, one compiled function per call
-class (dtype, head dims, head counts, device, scale, grad, shapes; :func:`_call_class`), each with a code
-object of its own: dynamo counts recompiles per code object, so the classes a process runs do
-not use up one ``recompile_limit`` together (``CLASSES_KEPT`` classes kept, the oldest dropped).
-Where dynamo would run FlexAttention eagerly instead (its dense form: the whole score matrix
-and a host sync), because a class reached the recompile limit or a stance such as
-``torch.compiler.set_stance("force_eager")`` runs compiled code eagerly, the call raises
-``BackendUnavailableError``: an explicit backend never falls back silently.
-FlexAttention has no backward on the CPU, so ``auto`` never picks it there and the backend
-declares CUDA only (its forward runs on the CPU for tests: :func:`flex_padded`). Eager callers
-only: inside a ``torch.compile`` graph (varlen_attn's custom op) dynamo compiles nothing, so the
-backend declares itself unable there and ``auto`` takes the next one.
+No packing: the kernel skips the blocks the plan leaves empty, so a call issues no gather or
+scatter. Segment ids per padded position (-1 for padding) give the block mask's tables on the
+device (:func:`block_mask_of`); rows in no segment come out as zeros, as SDPA's. On CUDA the
+kernel is FlexAttention under ``torch.compile``, one compiled copy per call class
+(:func:`_call_class`); where it would run eagerly instead (dense scores, a host sync) the call
+raises ``BackendUnavailableError``. CUDA and eager callers only. docs/design.md has the story.
 """
 
 from __future__ import annotations
@@ -155,34 +141,22 @@ def _recompile_limit():
 
 
 def _compiled_flex_attention(q, k, v, block_mask, scale, enable_gqa):
-    # Copied per call class by _compiled, each copy compiled. While dynamo traces this body
-    # is_compiling() is a constant True (nothing at run time); when the body runs eagerly instead,
-    # nothing compiled it.
+    # Copied per call class; is_compiling() is False only where this body runs eagerly.
     if not torch.compiler.is_compiling():
         raise _not_compiled(q, k, v, scale, _STANCE, f"{_STANCE_ADVICE}; {_limit_advice()}")
     from torch.nn.attention.flex_attention import flex_attention
 
-    # Under 128 queries inductor takes FlexAttention's decoding kernel, which with grouped-query
-    # heads found no configuration on an H200 (torch 2.11: NoValidChoicesError at 65 queries,
-    # every dtype, head dims 16 and 32; 200 queries and equal heads compiled): the main kernel.
+    # Under 128 queries FlexAttention's decoding kernel found no configuration with grouped-query
+    # heads (H200, torch 2.11: NoValidChoicesError at 65 queries, head dims 16 and 32).
     options = {"FORCE_USE_FLEX_ATTENTION": True} if enable_gqa else None
     return flex_attention(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa, kernel_options=options)
 
 
 def _call_class(q, k, v, scale: float, gqa: bool) -> tuple:
     """The call class of ``q``, ``k``, ``v`` (``[B, H, S, D]``): what made dynamo compile
-    FlexAttention again, measured on torch 2.13: dtype, head dims and head counts (FlexAttention
-    marks them static), device, the softmax scale (a float that inductor specialises: every new
-    value recompiled), grad mode, which inputs need grad, inference tensors (``inference_mode``);
-    and the batch size and sequence lengths. Within a class dynamo may still recompile (other
-    strides, autocast): those count against the class's recompile limit. Each class is
-    compiled for static shapes (``dynamic=False``). With symbolic lengths (dynamo's automatic
-    dynamic shapes, from a class's second shape on) inductor failed to compile FlexAttention in
-    the GPU suite (H200, torch 2.11: a float16 grouped-query case, batch 1; two shapes of that
-    class compiled alone did not fail; most likely the decoding-kernel failure of grouped-query
-    heads under 128 queries that :func:`_compiled_flex_attention` now avoids, not verified). So
-    a new shape (a new resolution bucket) compiles once more, about 6-9 s on an H200, and
-    nothing symbolic is compiled."""
+    FlexAttention again (torch 2.13): dtype, head dims and counts, device, scale, grad mode and
+    flags, inference tensors, batch size and lengths. Compiled for static shapes only: symbolic
+    lengths failed to compile (H200, torch 2.11), so a new shape compiles once more (6-9 s)."""
     return (q.dtype, q.shape[-1], v.shape[-1], q.shape[1], k.shape[1], gqa, q.device, float(scale),
             torch.is_grad_enabled(), q.requires_grad, k.requires_grad, v.requires_grad, q.is_inference(),
             q.shape[0], q.shape[2], k.shape[2])
@@ -198,8 +172,7 @@ class _Class:
         self.fn, self.warm, self.failed = fn, False, None
 
 
-# Call classes kept, the oldest made dropped first. A class dropped and met again compiles
-# again, with a new recompile count.
+# Call classes kept, the oldest dropped first (met again, it compiles again).
 CLASSES_KEPT = 128
 _classes: "collections.OrderedDict[tuple, _Class]" = collections.OrderedDict()
 _compiling = threading.Lock()
@@ -207,9 +180,7 @@ _compiling = threading.Lock()
 
 def _class(key: tuple) -> _Class:
     """The call class ``key``: ``torch.compile`` of a copy of :func:`_compiled_flex_attention`
-    with its own code object, so its own graphs and its own recompile limit (the classes a
-    process runs do not use up one limit together). Made once per class (lazy: the copy
-    compiles at its first call)."""
+    with its own code object, so its own recompile limit. Made once (compiles at its first call)."""
     entry = _classes.get(key)
     if entry is None:
         with _compiling:
@@ -304,8 +275,7 @@ def flex_padded(q, k, v, plan, scale: float, *, compiled: bool = True) -> torch.
             raise _not_compiled(q, k, v, scale, "dynamo's recompile limit was reached for this call class",
                                 _limit_advice()) from e
         except (*_compile_errors(), _ClassFailed) as e:
-            # Any class inductor cannot compile (one seen: _compiled_flex_attention's kernel
-            # choice). The class keeps the failure: its later calls raise at once.
+            # The class keeps the failure: its later calls raise at once.
             said = str(e) if isinstance(e, _ClassFailed) else _compiler_said(e)
             raise _not_compiled(q, k, v, scale, f"inductor could not compile this call class: {said}",
                                 "a newer torch may compile it") from e

@@ -1,11 +1,8 @@
 """``torch``: PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (built-in FA2 kernels).
 
-No install. Its signature changed: torch 2.10/2.11 take ``is_causal=``; 2.13 takes
-``window_size=(-1, 0)`` for causal and ``enable_gqa=``. Both are read from the signature.
-The backend calls the aten kernels behind it (``_flash_attention_forward`` and ``_backward``,
-which take a ``scale``) directly (``NATIVE_BACKWARD``, as FA4): pack, kernel and unpack in one
-autograd node, and no Python custom op in between. The public function is the fallback where
-those ops are missing; GPU runs: torch 2.11.
+No install. torch 2.10/2.11 take ``is_causal=``, 2.13 ``window_size=(-1, 0)`` and ``enable_gqa=``
+(read from the signature). The backend calls the aten ops behind it directly (``NATIVE_BACKWARD``,
+as FA4); the public function is the fallback where those ops are missing.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ def _api():
 def _entry_points():
     """The aten ops behind ``varlen_attn`` (``_flash_attention_forward`` and ``_backward``, the
     kernels its ``torch_attn::_varlen_attn`` custom ops call), or None where this torch lacks the
-    public API or the ops take no ``scale``. Called directly, not through those Python custom
-    ops: a Python custom op costs tens of microseconds of host time per call in eager mode, which
-    a host-bound step pays in every layer (benchmarks/NOTES.md, entry 19)."""
+    public API or the ops take no ``scale``. Not through the Python custom ops: tens of
+    microseconds of host time per call (benchmarks/NOTES.md, entry 19)."""
     try:
         importlib.import_module("torch.nn.attention.varlen")
         fwd = torch.ops.aten._flash_attention_forward.default
@@ -53,12 +49,9 @@ def _dropout_args(device: torch.device):
     args = _no_dropout.get(device)
     if args is None:
         args = (torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device))
-        # Kept only when made on the device's default stream outside a capture. Inside a CUDA
-        # graph capture, and in the warm-up runs of inductor's CUDA graph trees (on the trees'
-        # own stream, every allocation of the thread going to the graphs' pool), a kept pair
-        # would be a live tensor in the pool that no graph output owns: the trees stop with
-        # "Detected 1 tensor(s) in the cudagraph pool not tracked as outputs" (H200, torch 2.11,
-        # when the first backward of a process ran there).
+        # Kept only when made on the default stream outside a capture: made in a CUDA graph trees'
+        # warm-up it stopped them ("Detected 1 tensor(s) in the cudagraph pool not tracked as
+        # outputs", H200, torch 2.11; benchmarks/NOTES.md entry 27).
         if device.type != "cuda" or (not torch.cuda.is_current_stream_capturing()
                                      and torch.cuda.current_stream(device) == torch.cuda.default_stream(device)):
             _no_dropout[device] = args
