@@ -281,13 +281,14 @@ class Deferred:
             made = self._made["plan"] = outer_plan(self.keep, self.keep)
         return made
 
-    def poisoned(self, out: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
-        """``out``, with ``bad`` kept for the forward's read; not read: ``out`` all NaN where
-        ``bad`` (an addition: its backward is no pass over the gradient)."""
+    def checked(self, x: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+        """``x`` (an output, or the rows it is scaled by), with ``bad`` kept for the forward's
+        read; not read: ``x`` all NaN where ``bad`` (an addition: its backward is no pass over
+        the gradient)."""
         if self.flags is not None:
             self.flags.append(bad)
-            return out
-        return out + torch.where(bad, float("nan"), 0.0).to(out.dtype)
+            return x
+        return x + torch.where(bad, float("nan"), 0.0).to(x.dtype)
 
     def rows(self, dtype: torch.dtype, bhsd: bool = False) -> torch.Tensor:
         """``keep`` as the output's row scale: ``[B, S, 1, 1]`` (``[B, 1, S, 1]`` with ``bhsd``)."""
@@ -296,14 +297,6 @@ class Deferred:
             made = self._made[(dtype, bhsd)] = self.keep.to(dtype)[:, None, :, None] if bhsd \
                 else self.keep.to(dtype)[:, :, None, None]
         return made
-
-    def flag(self, bad: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Keep ``bad`` for the forward's read, and return ``rows``; not read: ``rows`` NaN
-        where ``bad``."""
-        if self.flags is not None:
-            self.flags.append(bad)
-            return rows
-        return rows.masked_fill(bad, float("nan"))
 
 
 UNREAD = Deferred()  # a recomputation's checks, without the model's mask: each call's own factors
@@ -326,7 +319,10 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
     made = checks.factors(mask4) if checks is not None else None
     if made is not None:
         outer, keys = made
-        bad, plan_of, keep_q = mask4.ne(outer).any(), checks.plan, checks.keep
+        bad, plan_of = mask4.ne(outer).any(), checks.plan
+
+        def rows_of():
+            return checks.rows(q.dtype)
     else:
         keep_q, keep_k, bad = outer_factors(mask4)
         keep_q, keep_k = keep_q.expand(q.shape[0], -1), keep_k.expand(q.shape[0], -1)
@@ -340,6 +336,9 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
             _stats.record_plan_build()
             return outer_plan(keep_q, keep_k)
 
+        def rows_of():
+            return keep_q.to(q.dtype)[:, :, None, None]
+
     decision = cost_decision(q, k, v, keys, opts, policy)
     if decision is None or not decision.stock:
         plan = plan_of()
@@ -352,9 +351,9 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
                 _stats.record_route(decision.reason)
             out = rerouted(policy.backend, first, lambda: route(q, k, v, plan, keys, opts, policy),
                            lambda r: run(q, k, v, plan, keys, r, opts))[1]
-            return out if checks is None else checks.poisoned(out, bad)
-    rows = keep_q.to(q.dtype)[:, :, None, None]
-    return attend(q, k, v, keys, opts, policy) * (rows if checks is None else checks.flag(bad, rows))
+            return out if checks is None else checks.checked(out, bad)
+    rows = rows_of()
+    return attend(q, k, v, keys, opts, policy) * (rows if checks is None else checks.checked(rows, bad))
 
 
 def rerouted(backend: str, first, choose, call):

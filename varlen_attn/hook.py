@@ -162,7 +162,7 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     else:
         kwargs = {**kwargs, "attn_mask": keys}
     out = _replaced[0](*args, **kwargs)
-    return out * checks.flag(bad, checks.rows(out.dtype, bhsd=True))
+    return out * checks.checked(checks.rows(out.dtype, bhsd=True), bad)
 
 
 _sdpa.__doc__ = TORCH_SDPA.__doc__

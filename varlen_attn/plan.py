@@ -151,6 +151,18 @@ class VarlenPlan:
         return (_rebuild, (type(self), {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}))
 
     @property
+    def seqused_q(self) -> torch.Tensor | None:
+        """The queries of each segment a kernel computes (``[B]`` int32): all, none for a dead
+        element; None where the plan has none. Made once per plan (its forward and backward)."""
+        if self.dead is None:
+            return None
+        found = self.__dict__.get("_seqused_q")
+        if found is None:
+            found = torch.diff(self.cu_seqlens_q).masked_fill_(self.dead, 0)
+            object.__setattr__(self, "_seqused_q", found)
+        return found
+
+    @property
     def num_segments(self) -> int:
         return self.batch_size if self.static else len(self.seqlens_q)
 

@@ -59,10 +59,8 @@ def _varlen_kwargs(inp: VarlenInputs) -> dict:
 def _skipped(inp: VarlenInputs) -> dict:
     """FA4's ``seqused_q`` where the plan has dead elements (VarlenPlan.dead): their queries
     skipped (used: none), every other segment used whole."""
-    p = inp.plan
-    if p.dead is None:
-        return {}
-    return {"seqused_q": torch.diff(p.cu_seqlens_q).masked_fill_(p.dead, 0)}
+    used = inp.plan.seqused_q
+    return {} if used is None else {"seqused_q": used}
 
 
 class FlashAttn2Backend(_FlashBackend):
