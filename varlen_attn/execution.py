@@ -16,6 +16,7 @@ call's backward. :func:`masked_sdpa` is the library's one call of masked SDPA.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +29,7 @@ from .kernels._base import empty_output, inside_compiled_graph, refusals
 from .masks import canonical_mask, outer_factors
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
 from .plan import VarlenPlan, outer_plan, read_float01_as_bool
-from .policy import resolve_plan
+from .policy import Policy, resolve_plan
 
 
 @dataclass(frozen=True)
@@ -316,29 +317,11 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
     if decision is not None and decision.stock:
         _stats.record_route(decision.reason)
         return run(q, k, v, None, mask4, stock_route(mask4, policy), opts)
-    made = checks.factors(mask4) if checks is not None else None
-    if made is not None:
-        outer, keys = made
-        bad, plan_of = mask4.ne(outer).any(), checks.plan
-
-        def rows_of():
-            return checks.rows(q.dtype)
-    else:
-        keep_q, keep_k, bad = outer_factors(mask4)
-        keep_q, keep_k = keep_q.expand(q.shape[0], -1), keep_k.expand(q.shape[0], -1)
-        keys = keep_k[:, None, None, :]
-        if checks is None:
-            _stats.record_host_sync()
-            if bad.item():
-                return attend(q, k, v, mask4, opts, policy)
-
-        def plan_of():
-            _stats.record_plan_build()
-            return outer_plan(keep_q, keep_k)
-
-        def rows_of():
-            return keep_q.to(q.dtype)[:, :, None, None]
-
+    keys, bad, plan_of, rows_of = _outer(q, mask4, checks)
+    if checks is None:
+        _stats.record_host_sync()
+        if bad.item():
+            return attend(q, k, v, mask4, opts, policy)
     decision = cost_decision(q, k, v, keys, opts, policy)
     if decision is None or not decision.stock:
         plan = plan_of()
@@ -354,6 +337,49 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
             return out if checks is None else checks.checked(out, bad)
     rows = rows_of()
     return attend(q, k, v, keys, opts, policy) * (rows if checks is None else checks.checked(rows, bad))
+
+
+def _outer(q, mask4, checks: Deferred | None):
+    """``(keys [B, 1, 1, S], bad, plan_of(), rows_of())`` of a :func:`factorable` call: the model's
+    mask's factors where the mask has their shape (:meth:`Deferred.factors`, their plan made once a
+    forward), else the call's own (:func:`~varlen_attn.masks.outer_factors`); ``bad``: a device
+    flag, the mask is not their outer product."""
+    made = checks.factors(mask4) if checks is not None else None
+    if made is not None:
+        outer, keys = made
+        return keys, mask4.ne(outer).any(), checks.plan, lambda: checks.rows(q.dtype)
+    keep_q, keep_k, bad = outer_factors(mask4)
+    keep_q, keep_k = keep_q.expand(q.shape[0], -1), keep_k.expand(q.shape[0], -1)
+
+    def plan_of():
+        _stats.record_plan_build()
+        return outer_plan(keep_q, keep_k)
+
+    return keep_k[:, None, None, :], bad, plan_of, lambda: keep_q.to(q.dtype)[:, :, None, None]
+
+
+def outer_in_op(q, k, v, mask4, opts: Options, policy):
+    """A compiled graph's call (:mod:`varlen_attn.op`) that :func:`attend_outer` would pack, on the
+    plan of the outer product with no read: its check kept as this thread's entry says
+    (:class:`Deferred`). ``(plan, route, keys, checked)``, ``checked(out)`` the output with its
+    check; None where the entry reads each call (no checks), the call is not :func:`factorable`,
+    auto leaves it to stock, or no backend runs the plan (:func:`plan_and_route` then)."""
+    top = current()
+    checks = None if top is None else top.checks
+    if checks is None or not factorable(mask4, opts, policy, checks):
+        return None
+    decision = cost_decision(q, k, v, mask4, opts, policy)
+    if decision is not None and decision.stock:
+        return None
+    keys, bad, plan_of, _ = _outer(q, mask4, checks)
+    plan = plan_of()
+    try:
+        r = route(q, k, v, plan, keys, opts, policy)
+    except BackendUnavailableError:
+        return None
+    if decision is not None:
+        _stats.record_route(decision.reason)
+    return plan, r, keys, lambda out: checks.checked(out, bad)
 
 
 def rerouted(backend: str, first, choose, call):
@@ -414,3 +440,78 @@ def masked_sdpa(q, k, v, mask4, opts: Options, reason: str | None = None) -> tor
         dropout_p=opts.dropout_p, is_causal=causal, scale=opts.scale, enable_gqa=opts.gqa,
     )
     return out.transpose(1, 2)
+
+
+# -- the thread's stack of entries: which SDPA calls varlen_attn answers, and with what (varlen_attn.hook)
+
+# The top of this thread's stack of entries (``_local.top``). A plain threading.local: dynamo
+# replays a traced store into one (an enabled model's pre-hook, traced as a frame of its own),
+# not into a subclass's. The attribute is made where it can be (here, for the importing thread;
+# ``enable_varlen`` for its caller's), so compiled code finds it from the first call on: a guard
+# on its absence recompiles the second call (on any other thread, once).
+_local = threading.local()
+_local.top = None
+
+
+def ensure_thread_state() -> None:
+    """Make this thread's ``_local.top`` if it has none yet (eagerly: never while tracing)."""
+    if not hasattr(_local, "top"):
+        _local.top = None
+
+
+@dataclass(eq=False)
+class Entry:
+    """What an enabled forward or attention module puts on this thread's stack: its policy,
+    for a model's forward the mask handed back to checkpointed blocks that diffusers calls
+    without it (``model._Checkpoint``), and the module that pushed it (its hook that always runs
+    after the forward takes off its own entry only, also where an earlier pre-hook raised).
+    ``checks``: how masks with rows are checked (:class:`Deferred`): an
+    eager forward's of a model in ``OUTER_MASKS``, read once when it ends; its recomputation's,
+    not read; None, read in each call. ``below``: the entry under it (the stack is a chain from
+    the top, :func:`push`)."""
+
+    policy: Policy
+    checkpoint_mask: torch.Tensor | None = None
+    owner: object = None
+    checks: object = None  # a Deferred or None
+    below: Entry | None = None
+
+
+def current() -> Entry | None:
+    """The innermost entry on this thread, or None outside every enabled forward."""
+    return getattr(_local, "top", None)
+
+
+def push(entry: Entry) -> None:
+    """Put a new ``entry`` on top of this thread's stack. The stack is a chain from its top, not
+    a list: compiled code reads (and guards on) the top alone, which is the same in every
+    forward; a list's length differs between a forward and its checkpoint recomputation, and a
+    list appended to while dynamo traces a hook made it recompile the hook at the next call."""
+    entry.below = current()
+    _local.top = entry
+
+
+def pop() -> None:
+    _local.top = _local.top.below
+
+
+def pop_entry_of(owner) -> None:
+    """Take ``owner``'s entry off the top of this thread's stack, if it is there."""
+    top = current()
+    if top is not None and top.owner is owner:
+        _local.top = top.below
+
+
+class active:  # noqa: N801 - a context manager
+    """``with active(entry):`` SDPA calls on this thread are varlen_attn's, with ``entry.policy``."""
+
+    def __init__(self, entry: Entry):
+        self.entry = entry
+
+    def __enter__(self):
+        push(self.entry)
+        return self.entry
+
+    def __exit__(self, *exc):
+        pop()
+        return False

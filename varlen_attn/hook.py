@@ -21,82 +21,10 @@ from dataclasses import dataclass
 import torch
 
 from . import _stats, costs
+from .execution import Entry, _local, active, current, ensure_thread_state, pop, pop_entry_of, push  # noqa: F401
 from .functional import sdpa_with_policy
 from .kernels import SDPA, TORCH_SDPA
 from .policy import Policy
-
-
-# The top of this thread's stack of entries (``_local.top``). A plain threading.local: dynamo
-# replays a traced store into one (an enabled model's pre-hook, traced as a frame of its own),
-# not into a subclass's. The attribute is made where it can be (here, for the importing thread;
-# ``enable_varlen`` for its caller's), so compiled code finds it from the first call on: a guard
-# on its absence recompiles the second call (on any other thread, once).
-_local = threading.local()
-_local.top = None
-
-
-def ensure_thread_state() -> None:
-    """Make this thread's ``_local.top`` if it has none yet (eagerly: never while tracing)."""
-    if not hasattr(_local, "top"):
-        _local.top = None
-
-
-@dataclass(eq=False)
-class Entry:
-    """What an enabled forward or attention module puts on this thread's stack: its policy,
-    for a model's forward the mask handed back to checkpointed blocks that diffusers calls
-    without it (``model._Checkpoint``), and the module that pushed it (its hook that always runs
-    after the forward takes off its own entry only, also where an earlier pre-hook raised).
-    ``checks``: how masks with rows are checked (:class:`varlen_attn.execution.Deferred`): an
-    eager forward's of a model in ``OUTER_MASKS``, read once when it ends; its recomputation's,
-    not read; None, read in each call. ``below``: the entry under it (the stack is a chain from
-    the top, :func:`push`)."""
-
-    policy: Policy
-    checkpoint_mask: torch.Tensor | None = None
-    owner: object = None
-    checks: object = None  # an execution.Deferred or None
-    below: Entry | None = None
-
-
-def current() -> Entry | None:
-    """The innermost entry on this thread, or None outside every enabled forward."""
-    return getattr(_local, "top", None)
-
-
-def push(entry: Entry) -> None:
-    """Put a new ``entry`` on top of this thread's stack. The stack is a chain from its top, not
-    a list: compiled code reads (and guards on) the top alone, which is the same in every
-    forward; a list's length differs between a forward and its checkpoint recomputation, and a
-    list appended to while dynamo traces a hook made it recompile the hook at the next call."""
-    entry.below = current()
-    _local.top = entry
-
-
-def pop() -> None:
-    _local.top = _local.top.below
-
-
-def pop_entry_of(owner) -> None:
-    """Take ``owner``'s entry off the top of this thread's stack, if it is there."""
-    top = current()
-    if top is not None and top.owner is owner:
-        _local.top = top.below
-
-
-class active:  # noqa: N801 - a context manager
-    """``with active(entry):`` SDPA calls on this thread are varlen_attn's, with ``entry.policy``."""
-
-    def __init__(self, entry: Entry):
-        self.entry = entry
-
-    def __enter__(self):
-        push(self.entry)
-        return self.entry
-
-    def __exit__(self, *exc):
-        pop()
-        return False
 
 
 _replaced = [TORCH_SDPA]  # what _sdpa passes calls on to: the function it replaced

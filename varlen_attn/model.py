@@ -313,9 +313,12 @@ class _Boundary:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # inlined into a graph traced inside the forward: its entry is there
             return self.inner(*args, **kwargs)
-        # The checks of the forward (or recomputation) it runs in, for calls it runs eagerly.
+        # The checks of the forward (or recomputation) it runs in; outside one, in backward (a
+        # checkpoint's recomputation), each call's own factors, unread (as _enter_attention's).
         top = current()
-        push(Entry(self.state.policy(), owner=self, checks=None if top is None else top.checks))
+        checks = top.checks if top is not None else (
+            UNREAD if self.state.defers is not None and torch._C._current_autograd_node() is not None else None)
+        push(Entry(self.state.policy(), owner=self, checks=checks))
         try:
             return self.inner(*args, **kwargs)
         finally:

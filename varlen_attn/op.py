@@ -181,13 +181,14 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
     zeros elsewhere. ``training``: traced where a backward may follow (its entry may be kept for
     one)."""
     with torch._C.DisableTorchFunction():  # a TorchFunctionMode around the graph must not see our own calls
-        plan, r, mask4, opts = _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention,
-                                              float_mask, model)
+        plan, r, mask4, opts, checked = _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict,
+                                                       convention, float_mask, model)
         # After a refusal the route is chosen again, not the plan (no second read, no second count).
         r, (out, lse_buf) = execution.rerouted(
             backend, r, lambda: _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model),
             lambda r: _op_forward(q, k, v, plan, r, mask4, opts))
         entry = (plan, r, _kept_mask(plan, r, mask4, training), opts, convention)
+        out = out if checked is None else checked(out)
         return out.contiguous(), lse_buf, _hold(entry, training and _hooks_may_copy())
 
 
@@ -205,7 +206,9 @@ def _op_forward(q, k, v, plan, r, mask4, opts):
 
 
 def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model):
-    """``(plan, route, mask4, options)`` of a call of the op."""
+    """``(plan, route, mask4, options, checked)`` of a call of the op: ``checked`` None, or where the
+    mask may be the outer product of the model's, its check (:func:`~varlen_attn.execution.outer_in_op`:
+    the plan of the product, ``mask4`` its keys')."""
     policy = Policy(backend, strict, float_mask, model)
     opts = Options(scale, causal, 0.0, gqa)
     plan = None if token is None else plan_of_token(token)
@@ -213,8 +216,11 @@ def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, co
         raise InputValueError("the plan passed to attention was freed before the compiled call ran")
     mask4 = execution.mask4_of(mask, q, k, convention)
     with compiled_graph():
+        found = execution.outer_in_op(q, k, v, mask4, opts, policy) if token is None else None
+        if found is not None:
+            return (*found[:3], opts, found[3])
         plan, r = execution.plan_and_route(q, k, v, mask4, opts, policy, plan)
-    return plan, r, mask4, opts
+    return plan, r, mask4, opts, None
 
 
 def _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model):
