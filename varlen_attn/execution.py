@@ -1,12 +1,10 @@
 """One attention call with its plan in hand: where it goes (:func:`route`) and running it.
 
-Tensors here are padded ``[B, S, H, D]`` (flash-attn's layout). A call goes one of four ways:
+Tensors here are padded ``[B, S, H, D]`` (flash-attn's layout). A call goes one of three ways:
 
 * **fused**: a backend with its own backward (``Backend.NATIVE_BACKWARD``, FA4) runs pack +
   kernel + unpack as one autograd node (:mod:`varlen_attn.fused`);
 * **packed**: pack q, k, v, the backend's forward under autograd, unpack;
-* **padded**: a backend that reads the padded tensors itself (``Backend.PADDED``, ``flex``),
-  under autograd, with the plan for its segments;
 * **masked SDPA** on the padded tensors: no mask at all, ``backend="sdpa"``, or a mask that
   cannot be packed (the reason goes to :func:`varlen_attn.stats`).
 
@@ -140,8 +138,6 @@ def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> tor
         return masked_sdpa(q, k, v, mask, opts, r.reason)
     if r.fused:
         out = FusedAttention.apply(q, k, v, plan, r.impl, r.scale, opts.causal)
-    elif r.impl.PADDED:
-        out = r.impl.forward_padded(q, k, v, plan, r.scale, opts.causal)
     else:
         qp, kp, vp = pack_qkv(q, k, v, plan)
         inp = VarlenInputs(qp, kp, vp, plan, r.scale, opts.causal, opts.dropout_p)

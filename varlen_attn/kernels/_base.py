@@ -114,8 +114,6 @@ class Backend:
     # fused path then unpacks by gathers alone (Qwen-Image 1024 px, H200: 4.75 -> 4.18 ms, kernel
     # alone 3.82; benchmarks/NOTES.md entry 53).
     INTO_ZEROS: bool = False
-    # True when the kernel runs on the padded tensors itself (forward_padded): no pack, no unpack.
-    PADDED: bool = False
     # True when traced_forward can be traced by torch.compile and differentiated by autograd
     # (the whole call then runs inside the graph: varlen_attn.op, "In the graph").
     TRACEABLE: bool = False
@@ -191,12 +189,6 @@ class Backend:
         anything), with autograd, in ops ``torch.compile`` traces. Only for ``TRACEABLE``
         backends."""
         raise NotImplementedError(f"backend {self.NAME!r} cannot be traced")
-
-    def forward_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan,
-                       scale: float, causal: bool) -> torch.Tensor:
-        """Padded ``[B, S, H, D]`` q, k, v -> ``[B, Sq, Hq, Dv]`` with autograd, attention within
-        the plan's segments and zeros at query positions in none. Only for ``PADDED`` backends."""
-        raise NotImplementedError(f"backend {self.NAME!r} runs on packed tensors")
 
     def __repr__(self) -> str:
         return f"<varlen backend {self.NAME!r}>"
