@@ -22,7 +22,7 @@ from . import _stats, costs
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, NotPackableError
 from .fused import FusedAttention, packed_backward, packed_forward
 from .kernels import BACKENDS, SDPA, TORCH_SDPA, Backend, VarlenInputs, select
-from .kernels._base import empty_output, inside_compiled_graph, refusals
+from .kernels._base import empty_output, refusals
 from .masks import canonical_mask, outer_factors
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
 from .plan import VarlenPlan, outer_plan, read_float01_as_bool
@@ -98,8 +98,7 @@ _selected: dict[tuple, tuple[int, Backend]] = {}
 
 def _select(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -> Backend:
     key = (name, q.dtype, q.device, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], scale > 0,
-           opts.causal, opts.dropout_p > 0, inside_compiled_graph(), plan.static,
-           0 in plan.seqlens_q or 0 in plan.seqlens_k)
+           opts.causal, opts.dropout_p > 0, plan.static, 0 in plan.seqlens_q or 0 in plan.seqlens_k)
     made, impl = _selected.get(key, (None, None))
     if made != refusals():
         # Selection reads heads, head dim, dtype and device (and the plan): per-token views do.

@@ -9,9 +9,7 @@ lengths are equal).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -44,25 +42,6 @@ class VarlenInputs:
             f"dropout_p={self.dropout_p}, segments={self.plan.num_segments}, "
             f"max_seqlen_q={self.plan.max_seqlen_q}, max_seqlen_k={self.plan.max_seqlen_k}"
         )
-
-
-_graph = threading.local()
-
-
-@contextlib.contextmanager
-def compiled_graph():
-    """Marks, on this thread, backend selection for a call made from inside a running
-    ``torch.compile`` graph (varlen_attn's custom op): no nested ``torch.compile`` runs there."""
-    previous = getattr(_graph, "inside", False)
-    _graph.inside = True
-    try:
-        yield
-    finally:
-        _graph.inside = previous
-
-
-def inside_compiled_graph() -> bool:
-    return getattr(_graph, "inside", False)
 
 
 # How many times a kernel library refused a call its backend had declared it could run
