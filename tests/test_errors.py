@@ -160,6 +160,29 @@ def test_explicit_backend_never_falls_back_silently():
         sdpa(q[:, :, :3], k, v, is_causal=True, backend="reference")
 
 
+@pytest.mark.parametrize("source", ["backend", "VARLEN_ATTN_BACKEND"])
+def test_a_backend_that_is_not_registered_is_refused_naming_the_accepted_values(source, monkeypatch):
+    """A backend name the library does not have (``flex``, removed), as the argument or in the
+    environment: ``InputValueError`` naming where the name came from, every accepted value and
+    the name received."""
+    accepted = ["auto", "sdpa", *sorted(va.kernels.BACKENDS)]
+    assert "flex" not in accepted
+    keep = torch.ones(2, 6, dtype=torch.bool)
+    named = {"backend": "flex"} if source == "backend" else {}
+    if source == "backend":
+        monkeypatch.delenv("VARLEN_ATTN_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("VARLEN_ATTN_BACKEND", "flex")
+    calls = [lambda: sdpa(q, k, v, keep[:, None, None], **named),
+             lambda: va.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), keep, **named)]
+    for call in calls:
+        with pytest.raises(va.InputValueError) as info:
+            call()
+        message = str(info.value)
+        assert message.startswith(f"{source} must be ") and message.endswith(", got 'flex'"), message
+        assert all(repr(name) in message for name in accepted), message
+
+
 def test_not_packable_plan_without_mask_is_an_error():
     plan = va.build_plan(torch.ones(6, 6, dtype=torch.bool).tril()[None, None], convention="torch")
     assert not plan.packable

@@ -20,7 +20,7 @@ LAYERS = [
     ["varlen_attn.plan"],
     ["varlen_attn.pack"],
     ["varlen_attn.padding", "varlen_attn.kernels._base"],
-    ["varlen_attn.kernels.flash", "varlen_attn.kernels.flex", "varlen_attn.kernels.reference", "varlen_attn.kernels.split_sdpa",
+    ["varlen_attn.kernels.flash", "varlen_attn.kernels.reference", "varlen_attn.kernels.split_sdpa",
      "varlen_attn.kernels.torch_varlen"],
     ["varlen_attn.kernels"],
     ["varlen_attn.policy", "varlen_attn.fused", "varlen_attn.costs"],

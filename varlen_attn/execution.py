@@ -1,12 +1,10 @@
 """One attention call with its plan in hand: where it goes (:func:`route`) and running it.
 
-Tensors here are padded ``[B, S, H, D]`` (flash-attn's layout). A call goes one of four ways:
+Tensors here are padded ``[B, S, H, D]`` (flash-attn's layout). A call goes one of three ways:
 
 * **fused**: a backend with its own backward (``Backend.NATIVE_BACKWARD``, FA4) runs pack +
   kernel + unpack as one autograd node (:mod:`varlen_attn.fused`);
 * **packed**: pack q, k, v, the backend's forward under autograd, unpack;
-* **padded**: a backend that reads the padded tensors itself (``Backend.PADDED``, ``flex``),
-  under autograd, with the plan for its segments;
 * **masked SDPA** on the padded tensors: no mask at all, ``backend="sdpa"``, or a mask that
   cannot be packed (the reason goes to :func:`varlen_attn.stats`).
 
@@ -25,7 +23,7 @@ from . import _stats, costs
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, NotPackableError
 from .fused import FusedAttention, packed_backward, packed_forward
 from .kernels import BACKENDS, SDPA, TORCH_SDPA, Backend, VarlenInputs, select
-from .kernels._base import empty_output, inside_compiled_graph, refusals
+from .kernels._base import empty_output, refusals
 from .masks import canonical_mask, outer_factors
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
 from .plan import VarlenPlan, outer_plan, read_float01_as_bool
@@ -101,8 +99,7 @@ _selected: dict[tuple, tuple[int, Backend]] = {}
 
 def _select(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -> Backend:
     key = (name, q.dtype, q.device, q.shape[2], k.shape[2], q.shape[-1], v.shape[-1], scale > 0,
-           opts.causal, opts.dropout_p > 0, inside_compiled_graph(), plan.static,
-           0 in plan.seqlens_q or 0 in plan.seqlens_k)
+           opts.causal, opts.dropout_p > 0, plan.static, 0 in plan.seqlens_q or 0 in plan.seqlens_k)
     made, impl = _selected.get(key, (None, None))
     if made != refusals():
         # Selection reads heads, head dim, dtype and device (and the plan): per-token views do.
@@ -141,8 +138,6 @@ def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> tor
         return masked_sdpa(q, k, v, mask, opts, r.reason)
     if r.fused:
         out = FusedAttention.apply(q, k, v, plan, r.impl, r.scale, opts.causal)
-    elif r.impl.PADDED:
-        out = r.impl.forward_padded(q, k, v, plan, r.scale, opts.causal)
     else:
         qp, kp, vp = pack_qkv(q, k, v, plan)
         inp = VarlenInputs(qp, kp, vp, plan, r.scale, opts.causal, opts.dropout_p)

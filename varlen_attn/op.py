@@ -25,7 +25,6 @@ from . import _stats, costs, execution
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, VarlenAttnError
 from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, in_graph_priority, priority, rows_are_short, select
-from .kernels._base import compiled_graph
 from .pack import gather_rows
 from .plan import (STATIC_PROBLEMS, VarlenPlan, is_key_padding, key_padding_side, plan_of_token,
                    read_float01_as_bool, refuse_nan_inf, static_plan_of, static_plan_tensors_of, unpackable_reason)
@@ -215,18 +214,16 @@ def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, co
     if token is not None and plan is None:
         raise InputValueError("the plan passed to attention was freed before the compiled call ran")
     mask4 = execution.mask4_of(mask, q, k, convention)
-    with compiled_graph():
-        found = execution.outer_in_op(q, k, v, mask4, opts, policy) if token is None else None
-        if found is not None:
-            return (*found[:3], opts, found[3])
-        plan, r = execution.plan_and_route(q, k, v, mask4, opts, policy, plan)
+    found = execution.outer_in_op(q, k, v, mask4, opts, policy) if token is None else None
+    if found is not None:
+        return (*found[:3], opts, found[3])
+    plan, r = execution.plan_and_route(q, k, v, mask4, opts, policy, plan)
     return plan, r, mask4, opts, None
 
 
 def _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model):
-    """:func:`varlen_attn.execution.route` of a call of the ops, marked as inside a compiled graph."""
-    with compiled_graph():
-        return execution.route(q, k, v, plan, mask4, opts, Policy(backend, strict, float_mask, model))
+    """:func:`varlen_attn.execution.route` of a call of the ops."""
+    return execution.route(q, k, v, plan, mask4, opts, Policy(backend, strict, float_mask, model))
 
 
 @attention_op.register_fake

@@ -16,7 +16,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .._errors import BackendUnavailableError, InputValueError
 from ._base import TORCH_SDPA, Backend, VarlenInputs
 from .flash import FlashAttn2Backend, FlashAttn3Backend, FlashAttn4Backend
-from .flex import FlexBackend
 from .reference import ReferenceBackend
 from .split_sdpa import SplitSdpaBackend
 from .torch_varlen import TorchVarlenBackend
@@ -24,7 +23,7 @@ from .torch_varlen import TorchVarlenBackend
 BACKENDS: dict[str, Backend] = {
     b.NAME: b
     for b in (FlashAttn4Backend(), FlashAttn3Backend(), FlashAttn2Backend(), TorchVarlenBackend(),
-              FlexBackend(), SplitSdpaBackend(), ReferenceBackend())
+              SplitSdpaBackend(), ReferenceBackend())
 }
 
 # Priority for backend="auto", per device class (sources: docs/versions.md, "Why auto's priority
@@ -35,8 +34,8 @@ BACKENDS: dict[str, Backend] = {
 # sm80-89: FA2 varlen first (docs/versions.md). CPU: one SDPA per segment beats explicit matmuls.
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("split_sdpa", "reference"),
-    "cuda_sm90": ("flash_attn_4", "flash_attn_3", "torch", "split_sdpa", "flash_attn", "flex", "reference"),
-    "cuda": ("flash_attn", "torch", "split_sdpa", "flex", "reference"),
+    "cuda_sm90": ("flash_attn_4", "flash_attn_3", "torch", "split_sdpa", "flash_attn", "reference"),
+    "cuda": ("flash_attn", "torch", "split_sdpa", "reference"),
 }
 
 

@@ -9,9 +9,7 @@ lengths are equal).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import threading
 from dataclasses import dataclass
 
 import torch
@@ -44,25 +42,6 @@ class VarlenInputs:
             f"dropout_p={self.dropout_p}, segments={self.plan.num_segments}, "
             f"max_seqlen_q={self.plan.max_seqlen_q}, max_seqlen_k={self.plan.max_seqlen_k}"
         )
-
-
-_graph = threading.local()
-
-
-@contextlib.contextmanager
-def compiled_graph():
-    """Marks, on this thread, backend selection for a call made from inside a running
-    ``torch.compile`` graph (varlen_attn's custom op): no nested ``torch.compile`` runs there."""
-    previous = getattr(_graph, "inside", False)
-    _graph.inside = True
-    try:
-        yield
-    finally:
-        _graph.inside = previous
-
-
-def inside_compiled_graph() -> bool:
-    return getattr(_graph, "inside", False)
 
 
 # How many times a kernel library refused a call its backend had declared it could run
@@ -114,8 +93,6 @@ class Backend:
     # fused path then unpacks by gathers alone (Qwen-Image 1024 px, H200: 4.75 -> 4.18 ms, kernel
     # alone 3.82; benchmarks/NOTES.md entry 53).
     INTO_ZEROS: bool = False
-    # True when the kernel runs on the padded tensors itself (forward_padded): no pack, no unpack.
-    PADDED: bool = False
     # True when traced_forward can be traced by torch.compile and differentiated by autograd
     # (the whole call then runs inside the graph: varlen_attn.op, "In the graph").
     TRACEABLE: bool = False
@@ -191,12 +168,6 @@ class Backend:
         anything), with autograd, in ops ``torch.compile`` traces. Only for ``TRACEABLE``
         backends."""
         raise NotImplementedError(f"backend {self.NAME!r} cannot be traced")
-
-    def forward_padded(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: VarlenPlan,
-                       scale: float, causal: bool) -> torch.Tensor:
-        """Padded ``[B, S, H, D]`` q, k, v -> ``[B, Sq, Hq, Dv]`` with autograd, attention within
-        the plan's segments and zeros at query positions in none. Only for ``PADDED`` backends."""
-        raise NotImplementedError(f"backend {self.NAME!r} runs on packed tensors")
 
     def __repr__(self) -> str:
         return f"<varlen backend {self.NAME!r}>"
