@@ -136,7 +136,8 @@ def parse_args() -> argparse.Namespace:
                     help="comma-separated prompt lengths of the batch's 3 samples (default 77,300,2; CPU 5,12,2); "
                          "Chroma's mask also keeps each prompt's first padding token, as ChromaPipeline's does")
     ap.add_argument("--caption-lengths", default=None,
-                    help='JSON file {"t5_tokens": [...]}: each step draws the 3 prompt lengths from it')
+                    help='JSON file {"t5_tokens": [...]}: each step draws the 3 prompt lengths from it '
+                         '(benchmarks/captions/*.json, made by benchmarks/caption_lengths.py)')
     ap.add_argument("--lora-rank", type=int, default=16)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per variant (default 2; compiled 3)")
@@ -282,6 +283,7 @@ class Batch:
         # --caption-lengths: a mask per step, its 3 prompt lengths drawn from the file's (the same
         # sequence for every variant: step i of each variant gets masks[i % 64]).
         self._masks = []
+        self.drawn: list[list[int]] = []  # the text columns each caption-lengths mask keeps
         if args.caption_lengths:
             pool = json.loads(pathlib.Path(args.caption_lengths).read_text())["t5_tokens"]
             draw = torch.Generator().manual_seed(0)
@@ -289,6 +291,7 @@ class Batch:
             for _ in range(64):
                 picks = torch.randint(0, len(pool), (b,), generator=draw).tolist()
                 lens = torch.tensor([min(pool[i] + extra, t) for i in picks], device=dev)
+                self.drawn.append(lens.tolist())
                 text = torch.arange(t, device=dev)[None] < lens[:, None]
                 keep = text if args.model != "chroma" else torch.cat(
                     [text, torch.ones(b, n, dtype=torch.bool, device=dev)], 1)
@@ -627,9 +630,13 @@ def main():
     env["cudnn_sdp"] = torch.backends.cuda.cudnn_sdp_enabled() if gpu else None
     env.update(peft=C._version("peft"), flash_attn_3=C._version("flash_attn_3") or C._version("flash-attn-3"))
     s = batch.shape
+    drawn = sorted(n for lens in batch.drawn for n in lens)
+    lengths_note = (f"lengths {list(s.lengths)}" if not drawn else
+                    f"lengths drawn from {os.path.basename(args.caption_lengths)}: kept {drawn[0]}..{drawn[-1]}, "
+                    f"median {drawn[len(drawn) // 2]}")
     size = f"{nparams / 1e9:.2f} B" if nparams >= 1e8 else f"{nparams / 1e6:.2f} M"
     title = (f"{args.model} {depth}, {size} params + LoRA r={args.lora_rank} ({nlora / 1e6:.2f} M), "
-             f"B={s.batch}, text {s.text} (lengths {list(s.lengths)}) + {s.image} image tokens, {args.px} px, "
+             f"B={s.batch}, text {s.text} ({lengths_note}) + {s.image} image tokens, {args.px} px, "
              f"{str(dtype).replace('torch.', '')},\ncheckpointing {args.checkpointing}, compile {args.compile}"
              + (f" ({compile_backend}{', ' + args.compile_mode if args.compile_mode else ''})" if compiled else ""))
     print(f"{env['gpu']}, torch {env['torch']}, diffusers {env['diffusers']}, peft {env['peft']}, "
@@ -766,7 +773,8 @@ def main():
     if args.json:
         config = {**vars(args), "warmup": warmup, "compile_backend": compile_backend if compiled else None,
                   "backends": backends, "dtype": str(dtype), "model_config": cfg,
-                  "batch": s.batch, "text_tokens": s.text, "image_tokens": s.image, "prompt_lengths": list(s.lengths),
+                  "batch": s.batch, "text_tokens": s.text, "image_tokens": s.image,
+                  "prompt_lengths": None if drawn else list(s.lengths), "drawn_text_lengths": batch.drawn or None,
                   "params": nparams, "lora_params": nlora, "lora_layers": adapted, "lora_targets": LORA_TARGETS}
         with open(args.json, "w") as fh:
             json.dump({"config": config, "env": env, "gpu": env["gpu"], "title": title,
