@@ -6,7 +6,9 @@
 A module whose forward projects q, k, v and calls ``F.scaled_dot_product_attention`` with the
 mask it is given, at a size where the arithmetic costs little (B=3, 4 heads of 32, 64 tokens): the
 time is the Python and dispatch work of the call. Variants: the module stock with its mask,
-stock with no mask, and ``enable_varlen``'d (``backend="split_sdpa"``, the CPU's auto pick), for
+stock with no mask, ``enable_varlen``'d (``backend="split_sdpa"``, the CPU's auto pick), and
+``enable_varlen``'d with ``auto`` and a cost table that leaves every call to stock (what a call
+routed to stock costs over stock's own: no plan, no read), for
 two masks: key padding ``[B, 1, 1, S]`` (Qwen-Image's form, planned with no host read) and the
 padding outer product ``[B, 1, S, S]`` (Chroma's form, one host read a call). A new mask tensor
 every call, as every layer of a diffusers model makes its own. One thread; the median of
@@ -55,12 +57,19 @@ def measure(args) -> dict:
     torch.manual_seed(0)
     x = torch.randn(B, S, H * D, requires_grad=True)
     results = {"varlen_attn": os.path.dirname(va.__file__)}
+    if hasattr(va, "costs"):  # a table for this CPU where stock is cheaper at every length
+        row = {"tokens": [1, 1 << 20], "routes": {"sdpa:cpu": {"cost": [1, 1]}, "split_sdpa": {"cost": [2, 2]}}}
+        va.costs.use([{"gpu": "cpu", "capability": None, "dtype": "float32",
+                       "layouts": {"key_padding": row, "outer": row}}])
     for kind in ("key_padding", "outer_product"):
         make = masks(kind)
-        stock, enabled = Attention(), Attention()
+        stock, enabled, to_stock = Attention(), Attention(), Attention()
         enabled.load_state_dict(stock.state_dict())
+        to_stock.load_state_dict(stock.state_dict())
         va.enable_varlen(enabled, backend="split_sdpa")
-        variants = {"stock": (stock, make), "stock, no mask": (stock, lambda: None), "enabled": (enabled, make)}
+        va.enable_varlen(to_stock)
+        variants = {"stock": (stock, make), "stock, no mask": (stock, lambda: None), "enabled": (enabled, make),
+                    "left to stock": (to_stock, make)}
         times = {name: [] for name in variants}
         for _ in range(3):  # warm-up
             for model, mask in variants.values():
@@ -72,7 +81,32 @@ def measure(args) -> dict:
                     model(x, mask()).sum().backward()
                 times[name].append((time.perf_counter() - start) / args.calls * 1e6)
         results[kind] = {name: statistics.median(t) for name, t in times.items()}
+    if hasattr(va, "costs"):
+        results["left_to_stock_forward"] = left_to_stock_forward(va, args)
     return results
+
+
+def left_to_stock_forward(va, args) -> dict:
+    """One forward SDPA call on tiny tensors, made directly and through enable_varlen's hook with
+    the call left to stock (the table above): microseconds per call, no module around it."""
+    from varlen_attn import hook
+
+    q, mask = torch.randn(1, 1, 4, 8), torch.ones(1, 1, 1, 4, dtype=torch.bool)
+    sdpa, direct = F.scaled_dot_product_attention, hook._replaced[0]
+    entry = hook.Entry(va.policy.Policy.of("auto"))
+    n = args.calls * 100
+    times = {"direct": [], "left to stock": []}
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        for _ in range(n):
+            direct(q, q, q, attn_mask=mask)
+        times["direct"].append((time.perf_counter() - start) / n * 1e6)
+        with hook.active(entry):
+            start = time.perf_counter()
+            for _ in range(n):
+                sdpa(q, q, q, attn_mask=mask)
+        times["left to stock"].append((time.perf_counter() - start) / n * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def main():
@@ -99,7 +133,12 @@ def main():
         for kind in ("key_padding", "outer_product"):
             r = res[kind]
             print(f"  {kind:14s} stock {r['stock']:7.1f}   stock, no mask {r['stock, no mask']:7.1f}   "
-                  f"enabled {r['enabled']:7.1f}  ({r['enabled'] / r['stock']:.2f}x stock's time)")
+                  f"enabled {r['enabled']:7.1f}  ({r['enabled'] / r['stock']:.2f}x stock's time)   "
+                  f"left to stock {r['left to stock']:7.1f}  ({r['left to stock'] - r['stock']:+.1f} us)")
+        if "left_to_stock_forward" in res:
+            r = res["left_to_stock_forward"]
+            print(f"  one forward call, tiny tensors: SDPA directly {r['direct']:.2f} us, through enable_varlen "
+                  f"and left to stock {r['left to stock']:.2f} us ({r['left to stock'] - r['direct']:+.2f} us)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f, indent=1)
