@@ -9,7 +9,9 @@ Tensors here are padded ``[B, S, H, D]`` (flash-attn's layout). A call goes one 
   cannot be packed (the reason goes to :func:`varlen_attn.stats`).
 
 The route is decided once per call; the custom op (:mod:`varlen_attn.op`) keeps it for the
-call's backward. :func:`masked_sdpa` is the library's one call of masked SDPA.
+call's backward. :func:`masked_sdpa` is the library's one call of masked SDPA. The thread's
+stack of entries (:class:`Entry`, :func:`current`) is here, below the op, which reads a
+forward's checks from it (:func:`outer_in_op`); :mod:`varlen_attn.hook` pushes and reads it.
 """
 
 from __future__ import annotations

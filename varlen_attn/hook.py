@@ -3,7 +3,8 @@ processor) is running on the calling thread.
 
 :func:`install` replaces ``torch.nn.functional.scaled_dot_product_attention`` once per process
 with :func:`_sdpa`. It answers a call with varlen_attn only when this thread is inside an enabled
-forward or attention module (:class:`active`, a thread-local stack); every other call goes, as it
+forward or attention module (:class:`~varlen_attn.execution.active`, a thread-local stack kept in
+:mod:`varlen_attn.execution`, below the custom op that reads it too); every other call goes, as it
 was, to the function it replaced (torch's, or a patch another library made before). No other
 torch function runs Python of ours, and a call's route depends on its arguments and the policy
 only.
