@@ -361,10 +361,12 @@ def outer_in_op(q, k, v, mask4, opts: Options, policy):
     """A compiled graph's call (:mod:`varlen_attn.op`) that :func:`attend_outer` would pack, on the
     plan of the outer product with no read: its check kept as this thread's entry says
     (:class:`Deferred`). ``(plan, route, keys, checked)``, ``checked(out)`` the output with its
-    check; None where the entry reads each call (no checks), the call is not :func:`factorable`,
-    auto leaves it to stock, or no backend runs the plan (:func:`plan_and_route` then)."""
+    check; None where the entry reads each call (no checks), the call is not the model's own
+    (``policy.model``: the hook's; a call of the functional API in the graph is read in its call,
+    as eagerly, where no checks reach it), not :func:`factorable`, auto leaves it to stock, or no
+    backend runs the plan (:func:`plan_and_route` then)."""
     top = current()
-    checks = None if top is None else top.checks
+    checks = None if top is None or not policy.model else top.checks
     if checks is None or not factorable(mask4, opts, policy, checks, q.shape[0]):
         return None
     decision = cost_decision(q, k, v, mask4, opts, policy)
