@@ -219,13 +219,15 @@ def attend(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | None = None
     return rerouted(policy.backend, first, choose, lambda r: run(q, k, v, plan, mask4, r, opts))[1]
 
 
-def factorable(mask4, opts: Options, policy, checks: Deferred | None = None) -> bool:
+def factorable(mask4, opts: Options, policy, checks: Deferred | None = None, batch: int | None = None) -> bool:
     """A call :func:`attend_outer` runs: a mask with rows, the same in every head
     (``[B|1, 1, Sq, Sk]``, Sq > 1), not causal, for a varlen backend or auto; boolean, or a float
-    0/1 mask of the shape of the model's own (``checks.float01``: read as boolean)."""
+    0/1 mask of the shape of the model's own for a call of ``batch`` (the query's) elements
+    (``checks.float01``: read as boolean)."""
     if mask4 is None or mask4.shape[1] != 1 or mask4.shape[2] <= 1 or opts.causal or policy.backend == SDPA:
         return False
-    return mask4.dtype == torch.bool or (checks is not None and checks.float01 and checks.factors(mask4) is not None)
+    return mask4.dtype == torch.bool or (checks is not None and checks.float01
+                                         and checks.factors(mask4, batch) is not None)
 
 
 class Deferred:
@@ -256,13 +258,15 @@ class Deferred:
         found.keep, found._made, found.float01 = self.keep, self._made, self.float01
         return found
 
-    def factors(self, mask4: torch.Tensor):
-        """``(outer [B, 1, S, S], keys [B, 1, 1, S])`` for a call whose mask has the shape of the
-        outer product of ``keep`` (its keys' mask: ``keep``, all keys where an element keeps
-        none), or None."""
+    def factors(self, mask4: torch.Tensor, batch: int | None):
+        """``(outer [B, 1, S, S], keys [B, 1, 1, S])`` for a call of ``batch`` elements (its
+        query's) whose mask has the shape of the outer product of ``keep`` (its keys' mask:
+        ``keep``, all keys where an element keeps none), or None: also where ``keep`` is of
+        another batch (a ``[1, S]`` mask the model broadcasts over its batch: its plan is of one
+        element)."""
         keep = self.keep
         if keep is None or tuple(mask4.shape) != (keep.shape[0], 1, keep.shape[1], keep.shape[1]) \
-                or mask4.device != keep.device:
+                or keep.shape[0] != batch or mask4.device != keep.device:
             return None
         made = self._made.get("factors")
         if made is None:
@@ -341,7 +345,7 @@ def _outer(q, mask4, checks: Deferred | None):
     mask's factors where the mask has their shape (:meth:`Deferred.factors`, their plan made once a
     forward), else the call's own (:func:`~varlen_attn.masks.outer_factors`); ``bad``: a device
     flag, the mask is not their outer product."""
-    made = checks.factors(mask4) if checks is not None else None
+    made = checks.factors(mask4, q.shape[0]) if checks is not None else None
     if made is not None:
         outer, keys = made
         return keys, mask4.ne(outer).any(), checks.plan, lambda: checks.rows(q.dtype)
@@ -359,11 +363,13 @@ def outer_in_op(q, k, v, mask4, opts: Options, policy):
     """A compiled graph's call (:mod:`varlen_attn.op`) that :func:`attend_outer` would pack, on the
     plan of the outer product with no read: its check kept as this thread's entry says
     (:class:`Deferred`). ``(plan, route, keys, checked)``, ``checked(out)`` the output with its
-    check; None where the entry reads each call (no checks), the call is not :func:`factorable`,
-    auto leaves it to stock, or no backend runs the plan (:func:`plan_and_route` then)."""
+    check; None where the entry reads each call (no checks), the call is not the model's own
+    (``policy.model``: the hook's; a call of the functional API in the graph is read in its call,
+    as eagerly, where no checks reach it), not :func:`factorable`, auto leaves it to stock, or no
+    backend runs the plan (:func:`plan_and_route` then)."""
     top = current()
-    checks = None if top is None else top.checks
-    if checks is None or not factorable(mask4, opts, policy, checks):
+    checks = None if top is None or not policy.model else top.checks
+    if checks is None or not factorable(mask4, opts, policy, checks, q.shape[0]):
         return None
     decision = cost_decision(q, k, v, mask4, opts, policy)
     if decision is not None and decision.stock:

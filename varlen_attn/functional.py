@@ -189,7 +189,7 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
     if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
         r = execution.unpackable(policy, TRANSFORM_REASON, mask4)
         return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)
-    if plan is None and execution.factorable(mask4, opts, policy, checks):
+    if plan is None and execution.factorable(mask4, opts, policy, checks, q.shape[0]):
         return execution.attend_outer(q, k, v, mask4, opts, policy, checks)
     return execution.attend(q, k, v, mask4, opts, policy, plan)
 

@@ -75,7 +75,7 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
             _stats.record_route(found.reason, SDPA)
             return _replaced[0](*args, **kwargs)
     checks = entry.checks
-    made = (checks.factors(mask) if checks is not None and layout == "outer"
+    made = (checks.factors(mask, qs[0]) if checks is not None and layout == "outer"
             and (checks.float01 if as_bool else mask.dtype == torch.bool)
             and qs[0] == mask.shape[0] and qs[2] == ks[2] == mask.shape[-1] else None)
     if made is None:
