@@ -149,10 +149,10 @@ def per_call(name, device, profile: bool, backends=None):
         hook.install()
         for backend in backends or C.varlen_backends(device):
             # One forward's checks for every call: its plan made once, as a forward's blocks share it.
-            entry = hook.Entry(Policy.of(backend, model=True), checks=execution.Deferred(inp.q_keep, []))
+            entry = execution.Entry(Policy.of(backend, model=True), checks=execution.Deferred(inp.q_keep, []))
 
             def model_call(e=entry):
-                with hook.active(e):
+                with execution.active(e):
                     return F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask)
 
             rows[f"{backend} route in an enabled Chroma forward (no read)"] = model_call

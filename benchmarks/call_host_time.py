@@ -89,11 +89,12 @@ def measure(args) -> dict:
 def left_to_stock_forward(va, args) -> dict:
     """One forward SDPA call on tiny tensors, made directly and through enable_varlen's hook with
     the call left to stock (the table above): microseconds per call, no module around it."""
-    from varlen_attn import hook
+    from varlen_attn import execution, hook
 
+    stack = execution if hasattr(execution, "active") else hook  # where a checkout keeps the thread's stack
     q, mask = torch.randn(1, 1, 4, 8), torch.ones(1, 1, 1, 4, dtype=torch.bool)
     sdpa, direct = F.scaled_dot_product_attention, hook._replaced[0]
-    entry = hook.Entry(va.policy.Policy.of("auto"))
+    entry = stack.Entry(va.policy.Policy.of("auto"))
     n = args.calls * 100
     times = {"direct": [], "left to stock": []}
     for _ in range(args.rounds):
@@ -101,7 +102,7 @@ def left_to_stock_forward(va, args) -> dict:
         for _ in range(n):
             direct(q, q, q, attn_mask=mask)
         times["direct"].append((time.perf_counter() - start) / n * 1e6)
-        with hook.active(entry):
+        with stack.active(entry):
             start = time.perf_counter()
             for _ in range(n):
                 sdpa(q, q, q, attn_mask=mask)

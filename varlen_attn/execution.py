@@ -324,18 +324,14 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
         if bad.item():
             return attend(q, k, v, mask4, opts, policy)
     decision = cost_decision(q, k, v, keys, opts, policy)
-    if decision is None or not decision.stock:
-        plan = plan_of()
-        try:
-            first = route(q, k, v, plan, keys, opts, policy)
-        except BackendUnavailableError:  # no backend here runs a static plan: the keys' own plan below
-            first = None
-        if first is not None:
-            if decision is not None:
-                _stats.record_route(decision.reason)
-            out = rerouted(policy.backend, first, lambda: route(q, k, v, plan, keys, opts, policy),
-                           lambda r: run(q, k, v, plan, keys, r, opts))[1]
-            return out if checks is None else checks.checked(out, bad)
+    packed = _on_outer_plan(q, k, v, keys, plan_of, opts, policy) if decision is None or not decision.stock else None
+    if packed is not None:  # else no backend here runs a static plan: the keys' own plan below
+        plan, first = packed
+        if decision is not None:
+            _stats.record_route(decision.reason)
+        out = rerouted(policy.backend, first, lambda: route(q, k, v, plan, keys, opts, policy),
+                       lambda r: run(q, k, v, plan, keys, r, opts))[1]
+        return out if checks is None else checks.checked(out, bad)
     rows = rows_of()
     return attend(q, k, v, keys, opts, policy) * (rows if checks is None else checks.checked(rows, bad))
 
@@ -359,6 +355,16 @@ def _outer(q, mask4, checks: Deferred | None):
     return keep_k[:, None, None, :], bad, plan_of, lambda: keep_q.to(q.dtype)[:, :, None, None]
 
 
+def _on_outer_plan(q, k, v, keys, plan_of, opts: Options, policy):
+    """``(plan, route)`` of a call packed on the plan of its outer product (``plan_of()``), or
+    None where no backend here runs a static plan."""
+    plan = plan_of()
+    try:
+        return plan, route(q, k, v, plan, keys, opts, policy)
+    except BackendUnavailableError:
+        return None
+
+
 def outer_in_op(q, k, v, mask4, opts: Options, policy):
     """A compiled graph's call (:mod:`varlen_attn.op`) that :func:`attend_outer` would pack, on the
     plan of the outer product with no read: its check kept as this thread's entry says
@@ -375,14 +381,12 @@ def outer_in_op(q, k, v, mask4, opts: Options, policy):
     if decision is not None and decision.stock:
         return None
     keys, bad, plan_of, _ = _outer(q, mask4, checks)
-    plan = plan_of()
-    try:
-        r = route(q, k, v, plan, keys, opts, policy)
-    except BackendUnavailableError:
+    packed = _on_outer_plan(q, k, v, keys, plan_of, opts, policy)
+    if packed is None:
         return None
     if decision is not None:
         _stats.record_route(decision.reason)
-    return plan, r, keys, lambda out: checks.checked(out, bad)
+    return *packed, keys, lambda out: checks.checked(out, bad)
 
 
 def rerouted(backend: str, first, choose, call):

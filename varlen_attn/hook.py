@@ -17,15 +17,13 @@ and one traced outside holds stock SDPA.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 
 import torch
 
 from . import _stats, costs
-from .execution import Entry, _local, active, current, ensure_thread_state, pop, pop_entry_of, push  # noqa: F401
+from .execution import Entry, current, ensure_thread_state
 from .functional import sdpa_with_policy
 from .kernels import SDPA, TORCH_SDPA
-from .policy import Policy
 
 
 _replaced = [TORCH_SDPA]  # what _sdpa passes calls on to: the function it replaced
@@ -77,7 +75,7 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     checks = entry.checks
     made = (checks.factors(mask, qs[0]) if checks is not None and layout == "outer"
             and (checks.float01 if as_bool else mask.dtype == torch.bool)
-            and qs[0] == mask.shape[0] and qs[2] == ks[2] == mask.shape[-1] else None)
+            and qs[2] == ks[2] == mask.shape[-1] else None)
     if made is None:
         return None
     found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], "key_padding")

@@ -13,8 +13,8 @@ import torch
 
 from . import _stats
 from ._errors import InputTypeError, NotPackableError, check_bool, warn_once
-from .execution import UNREAD, Deferred
-from .hook import Entry, current, install, installed, pop_entry_of, push
+from .execution import UNREAD, Deferred, Entry, current, pop_entry_of, push
+from .hook import install, installed
 from .kernels import requested_backend
 from .policy import Policy, float_mask_read_as_bool, mask_info
 from .trim import param_names, trim_text
@@ -142,10 +142,15 @@ def _enter_attention(module, args):
     top = current()
     if top is not None and top.policy is state._policy:
         return  # inside its model's forward: that entry routes the module (its leave pops only its own)
-    # In backward, a recomputed checkpointed block reuses its forward's checks, unread (_Recomputed):
-    # a forward run again after a failed check fails loudly there (NaN or CheckpointError).
-    unread = state.defers is not None and torch._C._current_autograd_node() is not None
-    push(Entry(state.policy(), owner=module, checks=UNREAD if unread else None))
+    push(Entry(state.policy(), owner=module, checks=_checks_outside_forward(state)))
+
+
+def _checks_outside_forward(state: _State):
+    """The checks of calls made outside the model's forward: in backward (a checkpoint's
+    recomputation) of a model in ``OUTER_MASKS``, each call's own factors, unread (:data:`UNREAD`:
+    a forward run again after a failed check fails loudly there, NaN or CheckpointError); else
+    None, read in the call."""
+    return UNREAD if state.defers is not None and torch._C._current_autograd_node() is not None else None
 
 
 def _leave_attention(module, args, output):
@@ -313,12 +318,10 @@ class _Boundary:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():  # inlined into a graph traced inside the forward: its entry is there
             return self.inner(*args, **kwargs)
-        # The checks of the forward (or recomputation) it runs in; outside one, in backward (a
-        # checkpoint's recomputation), each call's own factors, unread (as _enter_attention's).
+        # The checks of the forward (or recomputation) it runs in, else those of calls outside one.
         top = current()
-        checks = top.checks if top is not None else (
-            UNREAD if self.state.defers is not None and torch._C._current_autograd_node() is not None else None)
-        push(Entry(self.state.policy(), owner=self, checks=checks))
+        push(Entry(self.state.policy(), owner=self,
+                   checks=top.checks if top is not None else _checks_outside_forward(self.state)))
         try:
             return self.inner(*args, **kwargs)
         finally:

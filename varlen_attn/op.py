@@ -216,7 +216,8 @@ def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, co
     mask4 = execution.mask4_of(mask, q, k, convention)
     found = execution.outer_in_op(q, k, v, mask4, opts, policy) if token is None else None
     if found is not None:
-        return (*found[:3], opts, found[3])
+        plan, r, keys, checked = found
+        return plan, r, keys, opts, checked
     plan, r = execution.plan_and_route(q, k, v, mask4, opts, policy, plan)
     return plan, r, mask4, opts, None
 

@@ -17,7 +17,8 @@ import inspect
 import torch
 
 from ._errors import InputTypeError, InputValueError, describe
-from .hook import Entry, active, current, install
+from .execution import Entry, active, current
+from .hook import install
 from .policy import Policy
 
 _WHAT_TO_DO = (
