@@ -474,12 +474,37 @@ def timeline_summary(path: str, slices: int = 10) -> dict:
                     best = x
         return best["name"] if best else "?"
 
+    # Host time per op (self time: an op's duration less its children's on the same thread), per
+    # thread that ran ops, the largest first: where the host's time goes.
+    self_ms: dict = {}
+    for tid, lst in by_tid.items():
+        ops = [e for e in lst if e.get("cat") == "cpu_op"] + [e for e in runtime if e["tid"] == tid]
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        acc: dict = {}
+        stack: list = []  # [end, name, child time, duration]
+        top_level = 0.0
+        for e in ops + [None]:
+            while stack and (e is None or e["ts"] >= stack[-1][0]):
+                end, name, child, dur = stack.pop()
+                acc[name] = acc.get(name, 0.0) + dur - child
+                if stack:
+                    stack[-1][2] += dur
+                else:
+                    top_level += dur
+            if e is not None:
+                stack.append([e["ts"] + e["dur"], e["name"], 0.0, e["dur"]])
+        if acc:
+            total = sum(acc.values())
+            span = max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]
+            self_ms[tid] = {"total_ms": total / 1e3, "outside_ms": (span - top_level) / 1e3, "top": [(n, v / 1e3) for n, v in sorted(acc.items(), key=lambda kv: -kv[1])[:12]]}
+
     waits = sorted((e for e in runtime if _blocking_call(e["name"])), key=lambda e: -e["dur"])
     top = [{"name": w["name"], "ms": w["dur"] / 1e3, "at_ms": (w["ts"] - t0) / 1e3, "tid": w["tid"], "in": around(w)}
            for w in waits[:6]]
     return {"wall_ms": wall / 1e3, "gpu_busy_ms": union_ms(spans) / 1e3, "host_end_ms": (host_end - t0) / 1e3,
             "tail_ms": max(0.0, gpu_end - host_end) / 1e3, "threads": per_thread, "slices": cuts,
-            "waits": {"count": len(waits), "ms": sum(w["dur"] for w in waits) / 1e3, "longest": top}}
+            "waits": {"count": len(waits), "ms": sum(w["dur"] for w in waits) / 1e3, "longest": top},
+            "self_ms": self_ms}
 
 
 def timeline_text(name: str, s: dict) -> str:
@@ -497,6 +522,9 @@ def timeline_text(name: str, s: dict) -> str:
         for c in s["slices"]))
     for w in s["waits"]["longest"]:
         out.append(f"    wait {w['name']} {w['ms']:.2f} ms at {w['at_ms']:.1f} ms (thread {w['tid']}, in {w['in']})")
+    for tid, t in s.get("self_ms", {}).items():
+        out.append(f"    thread {tid}: ops' self time {t['total_ms']:.1f} ms, between ops (Python) {t['outside_ms']:.1f} ms; largest: "
+                   + ", ".join(f"{n} {v:.1f}" for n, v in t["top"]))
     return "\n".join(out)
 
 

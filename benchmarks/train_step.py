@@ -151,6 +151,8 @@ def parse_args() -> argparse.Namespace:
                     help="after the rounds, one more step per variant under torch.profiler (CUDA activity only): "
                          "the time the GPU ran kernels, copies or fills, against that step's wall time; well "
                          "below 100%% means the host (Python, launches) sets the step's pace")
+    ap.add_argument("--trace-dir", default=None,
+                    help="with --timeline: keep each variant's profiled step there (Chrome trace, gzipped)")
     ap.add_argument("--timeline", action="store_true",
                     help="after the rounds, one more step per variant under torch.profiler (CPU and CUDA): launch "
                          "lag per thread, GPU busy per slice of the step, host waits (benchmarks/_common.py, timeline_summary)")
@@ -201,9 +203,13 @@ def build_model(args, dev: torch.device, dtype: torch.dtype) -> tuple[torch.nn.M
 
 def enable(model: torch.nn.Module, spec: str) -> None:
     """``enable_varlen`` for a ``--backends`` entry: a backend name, then any of ``@general``
-    (compiled blocks keep attention in the custom op, ``in_graph=False``) and ``@notrim``
-    (``trim_text=False``: the padded text columns stay in the model)."""
+    (compiled blocks keep attention in the custom op, ``in_graph=False``), ``@notrim``
+    (``trim_text=False``: the padded text columns stay in the model) and ``@costs=FILE`` (auto
+    routes this variant's steps by the cost table FILE; :class:`Variant`)."""
     backend, *options = spec.split("@")
+    unknown = [o for o in options if o not in ("general", "notrim") and not o.startswith("costs=")]
+    if unknown:
+        raise SystemExit(f"variant {spec!r}: unknown options {unknown} (expected general, notrim, costs=FILE)")
     va.enable_varlen(model, backend=backend, in_graph="general" not in options, trim_text="notrim" not in options)
 
 
@@ -318,6 +324,10 @@ class Variant:
         # None: the process's setting (--cudnn-sdp); False: off for this variant's steps (the
         # kernel A100 and RTX GPUs get for masked SDPA, and what varlen_attn's routing reads).
         self.cudnn = False if name.endswith(NO_CUDNN) else None
+        # "@costs=FILE": auto's cost table for this variant's steps (varlen_attn.costs.use), the
+        # packaged one for the others: tables compared side by side in one process.
+        self.costs = next((o.removeprefix("costs=") for o in name.removesuffix(NO_CUDNN).split("@")[1:]
+                           if o.startswith("costs=")), None)
         self.lora = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.lora, lr=lr)
         self.rounds: list[list[float]] = []  # ms per timed step, one list per round's turn
@@ -348,12 +358,16 @@ class Variant:
         before = torch.backends.cuda.cudnn_sdp_enabled()
         if self.cudnn is not None:
             torch.backends.cuda.enable_cudnn_sdp(self.cudnn)
+        if self.costs:
+            va.costs.use(self.costs)
         try:
             out = self.model(**batch.kwargs(mask))[0]
             loss = F.mse_loss(out.float(), batch.target.float())
             loss.backward()
         finally:
             torch.backends.cuda.enable_cudnn_sdp(before)
+            if self.costs:
+                va.costs.use(None)
         if probe:
             self.first = {"output": out.detach().float().clone(), "loss": loss.item(),
                           "lora_with_grad": sum(p.grad is not None for p in self.lora), "lora_tensors": len(self.lora)}
@@ -731,6 +745,12 @@ def main():
                     C.sync(dev)
                     C.timeline_record(functools.partial(v.step, batch), path)
                     lines[v.name] = C.timeline_summary(path)
+                    if args.trace_dir:
+                        import gzip
+                        import shutil
+                        out = os.path.join(args.trace_dir, v.name.replace(":", "_").replace("/", "_").replace("@", "_") + ".json.gz")
+                        with open(path, "rb") as src, gzip.open(out, "wb", compresslevel=6) as dst:
+                            shutil.copyfileobj(src, dst)
                 except Exception as e:  # as --gpu-busy: the column is lost, not the run
                     print(f"  --timeline {v.name}: {type(e).__name__}: {e}")
 

@@ -192,17 +192,28 @@ class Crossover:
     above: Decision
 
 
+# Every call is weighed on the key-padding curves, whatever its mask's layout. A mask with rows
+# costs stock's SDPA what its keys' mask costs on the kernel that takes rows (memory-efficient,
+# H200 table: 3.20 against 3.19 ms a call at 1,536 tokens, 22.7 against 22.0 at 4,608); where
+# stock's kernel is cuDNN, auto's stock route for it is the keys' mask, then the rows
+# (hook._left_to_stock, execution.attend_outer); packed, it runs on the keys of its outer plan.
+# Routed to stock on the kernel that takes rows, such a call goes as it came: the keys' mask and
+# rows there cost Chroma 512 px (1,325 tokens, cuDNN off) 722 ms a step against 663 (stock 645;
+# H200, NOTES entry 56). The table's outer rows stay as that measurement.
+CURVES = "key_padding"
+
+
 @functools.lru_cache(maxsize=256)
 def kernel_crossover(device: torch.device, dtype, kernel: str | None, layout: str, stock: str) -> Crossover:
     """The :class:`Crossover` between stock's SDPA on kernel ``stock`` (:func:`stock_kernel`)
     and packing on backend ``kernel``, for calls of ``dtype`` and mask ``layout`` on ``device``."""
     table = table_for(device, dtype)
     at = None
-    if table is None or kernel is None or layout not in table["layouts"]:
-        why = f"no cost table for {_gpu_name(device)} ({dtype}, {layout} masks)"
+    if table is None or kernel is None or CURVES not in table["layouts"]:
+        why = f"no cost table for {_gpu_name(device)} ({dtype}, {CURVES} masks)"
     else:
-        at = crossover_tokens(table["layouts"][layout], kernel, f"sdpa:{stock}")
-        why = (f"{table['gpu']}'s cost table has no curve for {kernel} or stock SDPA ({stock}), {layout} masks"
+        at = crossover_tokens(table["layouts"][CURVES], kernel, f"sdpa:{stock}")
+        why = (f"{table['gpu']}'s cost table has no curve for {kernel} or stock SDPA ({stock}), {CURVES} masks"
                if at is None else None)
     if at is not None and cudnn_rows_fail(stock, layout):
         at, why = None, "stock's cuDNN attention fails on masks with rows"
