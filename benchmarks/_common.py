@@ -478,7 +478,7 @@ def timeline_summary(path: str, slices: int = 10) -> dict:
     # thread that ran ops, the largest first: where the host's time goes.
     self_ms: dict = {}
     for tid, lst in by_tid.items():
-        ops = [e for e in lst if e.get("cat") == "cpu_op"] + [e for e in runtime if e["tid"] == tid]
+        ops = [e for e in lst if e.get("cat") in ("cpu_op", "python_function")] + [e for e in runtime if e["tid"] == tid]
         ops.sort(key=lambda e: (e["ts"], -e["dur"]))
         acc: dict = {}
         stack: list = []  # [end, name, child time, duration]
@@ -528,12 +528,13 @@ def timeline_text(name: str, s: dict) -> str:
     return "\n".join(out)
 
 
-def timeline_record(step, path: str) -> None:
-    """Profile one call of ``step()`` (CPU and CUDA) and write its Chrome trace to ``path``."""
+def timeline_record(step, path: str, stack: bool = False) -> None:
+    """Profile one call of ``step()`` (CPU and CUDA) and write its Chrome trace to ``path``;
+    ``stack``: Python functions too (their self time in :func:`timeline_summary`; slower)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=stack) as prof:
         step()
         torch.cuda.synchronize()
     prof.export_chrome_trace(path)

@@ -21,6 +21,10 @@ to queue them all (the events see the kernels back to back). Host time: the proc
 (every thread: autograd's backward thread too) spent issuing them. A route that reads the host
 (``host_syncs``) cannot queue ahead: its cost is the wall time per call of back-to-back calls.
 The median over ``--rounds`` rounds, the routes taking turns in each.
+
+auto reads the key-padding curves for calls of both layouts (``varlen_attn.costs.CURVES``); the
+outer-product rows show what that rests on: stock's memory-efficient kernel costs the same with
+a mask's rows as with its keys' mask.
 """
 
 from __future__ import annotations

@@ -151,6 +151,8 @@ def parse_args() -> argparse.Namespace:
                     help="after the rounds, one more step per variant under torch.profiler (CUDA activity only): "
                          "the time the GPU ran kernels, copies or fills, against that step's wall time; well "
                          "below 100%% means the host (Python, launches) sets the step's pace")
+    ap.add_argument("--timeline-stack", action="store_true",
+                    help="with --timeline: record Python functions too (self time per function; slower)")
     ap.add_argument("--trace-dir", default=None,
                     help="with --timeline: keep each variant's profiled step there (Chrome trace, gzipped)")
     ap.add_argument("--timeline", action="store_true",
@@ -204,13 +206,16 @@ def build_model(args, dev: torch.device, dtype: torch.dtype) -> tuple[torch.nn.M
 def enable(model: torch.nn.Module, spec: str) -> None:
     """``enable_varlen`` for a ``--backends`` entry: a backend name, then any of ``@general``
     (compiled blocks keep attention in the custom op, ``in_graph=False``), ``@notrim``
-    (``trim_text=False``: the padded text columns stay in the model) and ``@costs=FILE`` (auto
+    (``trim_text=False``: the padded text columns stay in the model), ``@stockmask``
+    (``restore_checkpoint_mask=False``: checkpointed blocks called without their mask attend
+    unmasked, as stock's do) and ``@costs=FILE`` (auto
     routes this variant's steps by the cost table FILE; :class:`Variant`)."""
     backend, *options = spec.split("@")
-    unknown = [o for o in options if o not in ("general", "notrim") and not o.startswith("costs=")]
+    unknown = [o for o in options if o not in ("general", "notrim", "stockmask") and not o.startswith("costs=")]
     if unknown:
-        raise SystemExit(f"variant {spec!r}: unknown options {unknown} (expected general, notrim, costs=FILE)")
-    va.enable_varlen(model, backend=backend, in_graph="general" not in options, trim_text="notrim" not in options)
+        raise SystemExit(f"variant {spec!r}: unknown options {unknown} (expected general, notrim, stockmask, costs=FILE)")
+    va.enable_varlen(model, backend=backend, in_graph="general" not in options, trim_text="notrim" not in options,
+                     restore_checkpoint_mask="stockmask" not in options)
 
 
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -743,7 +748,7 @@ def main():
                 path = os.path.join(tmp, "trace.json")
                 try:
                     C.sync(dev)
-                    C.timeline_record(functools.partial(v.step, batch), path)
+                    C.timeline_record(functools.partial(v.step, batch), path, stack=args.timeline_stack)
                     lines[v.name] = C.timeline_summary(path)
                     if args.trace_dir:
                         import gzip

@@ -4,9 +4,9 @@
 lengths, mask layout, stock's kernel, the kernel packing would take), never from the mask's values,
 by reading a table of measured costs: ``costs.json``, or the file ``$VARLEN_ATTN_COSTS`` names
 (``python benchmarks/crossovers.py --out FILE``). A table applies to its GPU's name or compute
-capability; where none applies, auto packs every packable call. Costs (host + GPU time per call)
-are interpolated log-log, giving one :func:`crossover` per kind of call: stock below, packing
-above. docs/performance.md and benchmarks/NOTES.md entry 50 have the measurements.
+capability; where none applies, auto packs every packable call. Costs (host + GPU time per call,
+the key-padding curves for every layout: :data:`CURVES`) are interpolated log-log, giving one
+:func:`crossover` per kind of call: stock below, packing above. docs/performance.md and benchmarks/NOTES.md entry 50 have the measurements.
 """
 
 from __future__ import annotations
