@@ -55,6 +55,7 @@ def test_the_packaged_table_loads_and_names_its_gpu():
     ({"layouts": {"diagonal": {"tokens": [1], "routes": {}}}}, "layout 'diagonal'"),
     ({"layouts": {"outer": {"tokens": [8, 4], "routes": {}}}}, "layouts.outer.tokens"),
     ({"layouts": {"outer": {"tokens": [4, 8], "routes": {"torch": {"cost": [1.0]}}}}}, "routes.torch.cost"),
+    ({"layouts": {"outer": STOCK_FIRST[0]["layouts"]["outer"]}}, "must hold 'key_padding'"),
 ])
 def test_a_malformed_table_is_refused_naming_the_field(tmp_path, broken, field):
     t = {**STOCK_FIRST[0], **broken}

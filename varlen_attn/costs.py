@@ -6,7 +6,8 @@ by reading a table of measured costs: ``costs.json``, or the file ``$VARLEN_ATTN
 (``python benchmarks/crossovers.py --out FILE``). A table applies to its GPU's name or compute
 capability; where none applies, auto packs every packable call. Costs (host + GPU time per call,
 the key-padding curves for every layout: :data:`CURVES`) are interpolated log-log, giving one
-:func:`crossover` per kind of call: stock below, packing above. docs/performance.md and benchmarks/NOTES.md entry 50 have the measurements.
+:func:`crossover` per kind of call: stock below, packing above. docs/performance.md and
+benchmarks/NOTES.md entries 50 and 56 have the measurements.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def _check_table(t: dict, source: str) -> dict:
             if not (isinstance(cost, list) and len(cost) == len(toks)
                     and all(isinstance(c, (int, float)) and c > 0 for c in cost)):
                 bad(f"layouts.{name}.routes.{route}.cost must be {len(toks)} positive numbers (ms), got {cost!r}")
+    if CURVES not in layouts:
+        bad(f"'layouts' must hold {CURVES!r} (auto weighs every call on its curves), got {sorted(layouts)}")
     return t
 
 
