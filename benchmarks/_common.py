@@ -486,7 +486,7 @@ def timeline_summary(path: str, slices: int = 10) -> dict:
         for e in ops + [None]:
             while stack and (e is None or e["ts"] >= stack[-1][0]):
                 end, name, child, dur = stack.pop()
-                acc[name] = acc.get(name, 0.0) + dur - child
+                acc[name] = acc.get(name, 0.0) + max(0.0, dur - child)  # skewed clocks: never below 0
                 if stack:
                     stack[-1][2] += dur
                 else:

@@ -323,16 +323,33 @@ class Batch:
 NO_CUDNN = "/nocudnn"  # a variant name's suffix: its steps run with SDPA's cuDNN attention off
 
 
+_PACKAGED: list = []  # the packaged cost tables, loaded once
+
+
+def select_tables(v: "Variant") -> None:
+    """Make ``v``'s cost tables (``@costs=FILE``, else the packaged ones) auto's, where another
+    variant's are: no file read, and a no-op where they already are. The timed loop calls it
+    before its stopwatch starts; the crossovers a swap clears are worked out again at the
+    variant's first masked call."""
+    if not _PACKAGED:
+        _PACKAGED.append(va.costs.tables())
+    want = v.tables if v.tables is not None else _PACKAGED[0]
+    if va.costs.tables() is not want:
+        va.costs._tables[:] = [want]
+        va.costs.clear()
+
+
 class Variant:
     def __init__(self, name: str, model: torch.nn.Module, masked: bool, lr: float):
         self.name, self.model, self.masked = name, model, masked
         # None: the process's setting (--cudnn-sdp); False: off for this variant's steps (the
         # kernel A100 and RTX GPUs get for masked SDPA, and what varlen_attn's routing reads).
         self.cudnn = False if name.endswith(NO_CUDNN) else None
-        # "@costs=FILE": auto's cost table for this variant's steps (varlen_attn.costs.use), the
-        # packaged one for the others: tables compared side by side in one process.
-        self.costs = next((o.removeprefix("costs=") for o in name.removesuffix(NO_CUDNN).split("@")[1:]
-                           if o.startswith("costs=")), None)
+        # "@costs=FILE": auto's cost table for this variant's steps, the packaged one for the
+        # others: tables compared side by side in one process (select_tables).
+        path = next((o.removeprefix("costs=") for o in name.removesuffix(NO_CUDNN).split("@")[1:]
+                     if o.startswith("costs=")), None)
+        self.tables = va.costs.load(path) if path else None
         self.lora = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.lora, lr=lr)
         self.rounds: list[list[float]] = []  # ms per timed step, one list per round's turn
@@ -363,16 +380,13 @@ class Variant:
         before = torch.backends.cuda.cudnn_sdp_enabled()
         if self.cudnn is not None:
             torch.backends.cuda.enable_cudnn_sdp(self.cudnn)
-        if self.costs:
-            va.costs.use(self.costs)
+        select_tables(self)
         try:
             out = self.model(**batch.kwargs(mask))[0]
             loss = F.mse_loss(out.float(), batch.target.float())
             loss.backward()
         finally:
             torch.backends.cuda.enable_cudnn_sdp(before)
-            if self.costs:
-                va.costs.use(None)
         if probe:
             self.first = {"output": out.detach().float().clone(), "loss": loss.item(),
                           "lora_with_grad": sum(p.grad is not None for p in self.lora), "lora_tensors": len(self.lora)}
@@ -459,6 +473,7 @@ def run_turn(v: Variant, batch: Batch, dev: torch.device, reps: int, compiled: b
         gc.collect()
         C.sync(dev)
         h0 = host.snapshot()
+        select_tables(v)
         p0, c0 = time.process_time(), time.thread_time()
         with C.Stopwatch(dev) as sw:
             v.step(batch)
@@ -742,6 +757,8 @@ def main():
                 print(f"  --gpu-busy {v.name}: {type(e).__name__}: {e}")
 
     lines = {}
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     if args.timeline and gpu:
         for v in (v for v in live if v.error is None):
             with tempfile.TemporaryDirectory() as tmp:  # a full-depth step's trace runs to 100s of MB

@@ -100,6 +100,30 @@ def test_the_route_is_a_function_of_the_signature(use_table):
     assert not costs.decide(CPU, torch.float32, 2, 2, 8, 8, 20, 20, "key_padding").stock
 
 
+def test_both_layouts_are_weighed_on_the_key_padding_curves(use_table, monkeypatch):
+    """A call with rows costs what its keys' mask costs (costs.CURVES): the table's outer rows,
+    here the opposite of key padding's, are not read; with rows, cuDNN's attention is never
+    stock's route."""
+    kernel = {"name": "cpu"}
+    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel["name"])
+    t = table((1.0, 10.0), (2.0, 20.0))
+    t[0]["layouts"]["outer"] = PACK_FIRST[0]["layouts"]["outer"]
+    for name in ("cpu", "cudnn"):
+        t[0]["layouts"]["key_padding"]["routes"][f"sdpa:{name}"] = {"cost": [1.0, 10.0]}
+    use_table(t)
+    for name in ("cpu", "cudnn"):
+        kernel["name"] = name
+        costs.clear()
+        for s in (20, 100, 300):
+            keys = costs.decide(CPU, torch.float64, 2, 2, 8, 8, s, s, "key_padding")
+            rows = costs.decide(CPU, torch.float64, 2, 2, 8, 8, s, s, "outer")
+            assert keys.stock
+            if name == "cpu":
+                assert rows.stock, (s, rows)
+            else:
+                assert not rows.stock and "fails on masks with rows" in rows.reason, (s, rows)
+
+
 @pytest.mark.parametrize("outer", [False, True])
 def test_a_call_routed_to_stock_builds_no_plan_reads_nothing_and_is_stock(use_table, outer):
     use_table(STOCK_FIRST)

@@ -187,12 +187,14 @@ def test_a_call_checked_against_the_models_mask_runs_with_its_factors_or_flags_i
             torch.testing.assert_close(a, b_, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
 @pytest.mark.parametrize("kernel", ["cudnn", "cpu"])
-def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeypatch, kernel):
+def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeypatch, kernel, mask_dtype):
     """Where stock costs less than packing: if stock's kernel cannot take the outer product itself
     (cuDNN's attention), the hook hands stock the model's keys' mask and scales the rows, its check
-    kept for the forward's one read; where it can, the call goes to stock as it came: no check,
-    no read, the mask with its rows."""
+    kept for the forward's one read; where it can, a boolean call goes to stock as it came: no
+    check, no read, the mask with its rows. ChromaPipeline's float 0/1 mask, read as boolean,
+    takes the keys' mask on both (as it came, stock would read it as a bias)."""
     from varlen_attn import costs, hook
 
     monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel)
@@ -212,12 +214,13 @@ def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeyp
                                                 or replaced(*a, **kw)])
         va.reset_stats()
         seen.clear()
-        assert_model_close(step(enabled, batch), ref, what=f"stock, its kernel {kernel}")
+        assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref, what=f"stock, its kernel {kernel}")
         st_ = va.stats()
+        as_keys = kernel == "cudnn" or mask_dtype != torch.bool
         assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS}, st_
-        assert st_["host_syncs"] == (1 if kernel == "cudnn" else 0), st_
+        assert st_["host_syncs"] == (1 if as_keys else 0), st_
         assert len(seen) == 2 * CHROMA_ATTN_LAYERS, seen
-        assert all((s[-2] == 1) == (kernel == "cudnn") for s in seen), seen
+        assert all((s[-2] == 1) == as_keys for s in seen), seen
     finally:
         costs.use(None)
 

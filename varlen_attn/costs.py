@@ -200,9 +200,10 @@ class Crossover:
 # H200 table: 3.20 against 3.19 ms a call at 1,536 tokens, 22.7 against 22.0 at 4,608); where
 # stock's kernel is cuDNN, auto's stock route for it is the keys' mask, then the rows
 # (hook._left_to_stock, execution.attend_outer); packed, it runs on the keys of its outer plan.
-# Routed to stock on the kernel that takes rows, such a call goes as it came: the keys' mask and
-# rows there cost Chroma 512 px (1,325 tokens, cuDNN off) 722 ms a step against 663 (stock 645;
-# H200, NOTES entry 56). The table's outer rows stay as that measurement.
+# Routed to stock on the kernel that takes rows, a boolean such call goes as it came: the keys'
+# mask and rows there cost Chroma 512 px (1,325 tokens, cuDNN off) 722 ms a step against 663
+# (stock 645; H200, NOTES entry 56). A float 0/1 mask read as boolean still takes the keys' mask
+# (stock would read it as a bias). The table's outer rows stay as that measurement.
 CURVES = "key_padding"
 
 
@@ -213,7 +214,7 @@ def kernel_crossover(device: torch.device, dtype, kernel: str | None, layout: st
     table = table_for(device, dtype)
     at = None
     if table is None or kernel is None or CURVES not in table["layouts"]:
-        why = f"no cost table for {_gpu_name(device)} ({dtype}, {CURVES} masks)"
+        why = f"no cost table for {_gpu_name(device)} ({dtype})"
     else:
         at = crossover_tokens(table["layouts"][CURVES], kernel, f"sdpa:{stock}")
         why = (f"{table['gpu']}'s cost table has no curve for {kernel} or stock SDPA ({stock}), {CURVES} masks"
