@@ -323,20 +323,17 @@ class Batch:
 NO_CUDNN = "/nocudnn"  # a variant name's suffix: its steps run with SDPA's cuDNN attention off
 
 
-_PACKAGED: list = []  # the packaged cost tables, loaded once
+_SELECTED: list = [None]  # the tables auto routes by now (None: the packaged ones, as loaded)
 
 
 def select_tables(v: "Variant") -> None:
-    """Make ``v``'s cost tables (``@costs=FILE``, else the packaged ones) auto's, where another
-    variant's are: no file read, and a no-op where they already are. The timed loop calls it
-    before its stopwatch starts; the crossovers a swap clears are worked out again at the
-    variant's first masked call."""
-    if not _PACKAGED:
-        _PACKAGED.append(va.costs.tables())
-    want = v.tables if v.tables is not None else _PACKAGED[0]
-    if va.costs.tables() is not want:
-        va.costs._tables[:] = [want]
-        va.costs.clear()
+    """Make ``v``'s cost tables (``@costs=FILE``, loaded once; else the packaged ones) auto's,
+    where another variant's are (``va.costs.use``): no file read for a variant's own, and a no-op
+    where they already are. The timed loop calls it before its stopwatch starts; the crossovers a
+    swap clears are worked out again at the variant's first masked call."""
+    if _SELECTED[0] is not v.tables:
+        va.costs.use(v.tables)
+        _SELECTED[0] = v.tables
 
 
 class Variant:
