@@ -29,7 +29,10 @@ compiled blocks in varlen_attn's custom op, ``enable_varlen(..., in_graph=False)
 picks some of them (benchmarks/headline.py runs each in a process of its own). Each variant is its own copy of the model
 module tree sharing the frozen base weights (no extra weight memory), with its own LoRA adapter
 (all from the same init), its own optimizer and, with ``--compile blocks``, its own compiled
-blocks. Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
+blocks, compiled with ``dynamic=False``: the variants' blocks share their class's code, and with
+dynamo's automatic dynamic shapes the variant warmed up after another sequence length (varlen's
+trimmed text) ran on dynamic-shape graphs (stock Chroma 1024 px compiled blocks took 1,940 ms
+a step so, 1,446 when compiled first; H200, benchmarks/NOTES.md entry 57). Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
 turn (drift hits all alike; every other round in reverse order), until ``--max-seconds`` is spent
 (at least one round). Reported per variant: the median ms per step (CUDA events around each
 synchronised step; wall time on the CPU), stock / variant of those medians and, with two rounds
@@ -694,9 +697,9 @@ def main():
             enable(model, name.removesuffix(NO_CUDNN).split(":", 1)[1])
         if args.compile == "blocks":
             for block in blocks_of(model):
-                block.compile(fullgraph=True, backend=compile_backend, mode=args.compile_mode)
+                block.compile(fullgraph=True, dynamic=False, backend=compile_backend, mode=args.compile_mode)
         elif args.compile == "whole":
-            model = torch.compile(model, fullgraph=True, backend=compile_backend, mode=args.compile_mode)
+            model = torch.compile(model, fullgraph=True, dynamic=False, backend=compile_backend, mode=args.compile_mode)
         variants.append(Variant(name, model, masked=name.removesuffix(NO_CUDNN) != "nomask", lr=args.lr))
     del base
     if gpu:

@@ -368,3 +368,45 @@ def test_a_direct_functional_call_inside_a_compiled_block_is_read_in_its_call_as
     va.reset_stats()
     assert_model_close(step(model, inputs), want, what=case)
     assert not va.stats()["fallbacks"] or "outer product" not in str(va.stats()["fallbacks"]), va.stats()
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
+def test_compiled_blocks_leave_calls_to_stocks_cudnn_as_their_keys_mask_with_its_rows_scaled(monkeypatch, mask_dtype):
+    """Where stock's kernel is cuDNN's attention (it fails on masks with rows) and stock costs less
+    than packing, a compiled block's call runs in the op as attend_outer runs it eagerly: stock's
+    SDPA on the keys' mask of the model's, the rows scaled, its check read once a forward; equal to
+    the stock model, outputs and gradients (the recomputation's too), no mask with rows reaching
+    SDPA. Before, the op packed every such call, the dearer route."""
+    from varlen_attn import costs
+
+    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "cudnn")
+    lay = {"tokens": [16, 256], "routes": {"sdpa:cudnn": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+    seen = []
+    sdpa = execution.TORCH_SDPA
+
+    def spy(*args, **kwargs):
+        mask = kwargs.get("attn_mask")
+        seen.append(None if mask is None else tuple(mask.shape))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(execution, "TORCH_SDPA", spy)
+    try:
+        stock = tiny_chroma()
+        ref = step(stock, chroma_inputs())
+        enabled = va.enable_varlen(copy.deepcopy(stock))
+        enabled.enable_gradient_checkpointing()
+        for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
+            block.compile(fullgraph=True, backend="aot_eager")
+        for _ in range(2):  # the second step on the graphs the first traced
+            va.reset_stats()
+            seen.clear()
+            assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref, what="keys' mask on stock")
+            st_ = va.stats()
+            assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
+            assert st_["host_syncs"] == 1, st_
+            assert all("key_padding mask, stock on cudnn" in r for r in st_["routes"]), st_
+            assert seen and all(s is not None and s[-2] == 1 for s in seen), seen  # no rows reached SDPA
+    finally:
+        costs.use(None)

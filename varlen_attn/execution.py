@@ -53,6 +53,7 @@ class Route:
     scale: float = 0.0  # the softmax scale the varlen kernel uses
     fused: bool = False  # one autograd node (impl has its own backward)
     float01: bool = False  # masked SDPA reads a float 0/1 mask as boolean, on the device
+    rows: torch.Tensor | None = None  # masked SDPA's output scaled by it: an outer product's query rows
 
 
 def mask4_of(mask: torch.Tensor | None, q, k, convention: str) -> torch.Tensor | None:
@@ -137,7 +138,8 @@ def run(q, k, v, plan: VarlenPlan | None, mask4, r: Route, opts: Options) -> tor
     """Run the route ``r`` with autograd; ``[B, Sq, Hq, Dv]``."""
     if r.impl is None:
         mask = read_float01_as_bool(mask4)[0] if r.float01 else sdpa_mask(plan, mask4)
-        return masked_sdpa(q, k, v, mask, opts, r.reason)
+        out = masked_sdpa(q, k, v, mask, opts, r.reason)
+        return out if r.rows is None else out * r.rows
     if r.fused:
         out = FusedAttention.apply(q, k, v, plan, r.impl, r.scale, opts.causal)
     else:
@@ -186,10 +188,11 @@ def plan_and_route(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | Non
         return found, route(q, k, v, found, mask4, opts, policy)
 
 
-def stock_route(mask4, policy) -> Route:
+def stock_route(mask4, policy, rows: torch.Tensor | None = None) -> Route:
     """The route of a call auto leaves to stock's masked SDPA: no plan; a float 0/1 mask read as
-    boolean (``float_mask="bool"``) is converted on the device by :func:`run`."""
-    return Route(None, float01=mask4.is_floating_point() and policy.float_mask == "bool")
+    boolean (``float_mask="bool"``) is converted on the device by :func:`run`; ``rows``: an outer
+    product's query rows, ``mask4`` its keys' mask (:func:`attend_outer`)."""
+    return Route(None, float01=mask4.is_floating_point() and policy.float_mask == "bool", rows=rows)
 
 
 def cost_applies(policy, causal: bool, float_mask: bool) -> bool:
@@ -324,16 +327,20 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
         if bad.item():
             return attend(q, k, v, mask4, opts, policy)
     decision = cost_decision(q, k, v, keys, opts, policy)
-    packed = _on_outer_plan(q, k, v, keys, plan_of, opts, policy) if decision is None or not decision.stock else None
-    if packed is not None:  # else no backend here runs a static plan: the keys' own plan below
+    stock = decision is not None and decision.stock
+    packed = None if stock else _on_outer_plan(q, k, v, keys, plan_of, opts, policy)
+    if decision is not None and (stock or packed is not None):
+        _stats.record_route(decision.reason)
+    if packed is not None:
         plan, first = packed
-        if decision is not None:
-            _stats.record_route(decision.reason)
         out = rerouted(policy.backend, first, lambda: route(q, k, v, plan, keys, opts, policy),
                        lambda r: run(q, k, v, plan, keys, r, opts))[1]
         return out if checks is None else checks.checked(out, bad)
     rows = rows_of()
-    return attend(q, k, v, keys, opts, policy) * (rows if checks is None else checks.checked(rows, bad))
+    rows = rows if checks is None else checks.checked(rows, bad)
+    if stock:  # stock's SDPA on the keys' mask (its kernel, cuDNN's, fails on rows), the rows scaled
+        return run(q, k, v, None, keys, stock_route(keys, policy, rows), opts)
+    return attend(q, k, v, keys, opts, policy) * rows  # no backend here runs a static plan: the keys' own
 
 
 def _outer(q, mask4, checks: Deferred | None):
@@ -366,13 +373,14 @@ def _on_outer_plan(q, k, v, keys, plan_of, opts: Options, policy):
 
 
 def outer_in_op(q, k, v, mask4, opts: Options, policy):
-    """A compiled graph's call (:mod:`varlen_attn.op`) that :func:`attend_outer` would pack, on the
-    plan of the outer product with no read: its check kept as this thread's entry says
+    """A compiled graph's call (:mod:`varlen_attn.op`) as :func:`attend_outer` runs it, with no
+    read: packed on the plan of the outer product, or on stock's SDPA with its keys' mask and its
+    rows scaled (:func:`stock_route`), its check kept as this thread's entry says
     (:class:`Deferred`). ``(plan, route, keys, checked)``, ``checked(out)`` the output with its
     check; None where the entry reads each call (no checks), the call is not the model's own
     (``policy.model``: the hook's; a call of the functional API in the graph is read in its call,
-    as eagerly, where no checks reach it), not :func:`factorable`, auto leaves it to stock, or no
-    backend runs the plan (:func:`plan_and_route` then)."""
+    as eagerly, where no checks reach it), not :func:`factorable`, auto leaves it to stock as it
+    came, or no backend runs the plan (:func:`plan_and_route` then)."""
     top = current()
     checks = None if top is None or not policy.model else top.checks
     if checks is None or not factorable(mask4, opts, policy, checks, q.shape[0]):
@@ -380,8 +388,10 @@ def outer_in_op(q, k, v, mask4, opts: Options, policy):
     decision = cost_decision(q, k, v, mask4, opts, policy)
     if decision is not None and decision.stock:
         return None
-    keys, bad, plan_of, _ = _outer(q, mask4, checks)
-    packed = _on_outer_plan(q, k, v, keys, plan_of, opts, policy)
+    keys, bad, plan_of, rows_of = _outer(q, mask4, checks)
+    decision = cost_decision(q, k, v, keys, opts, policy)  # as attend_outer: weighed as its keys' mask
+    stock = decision is not None and decision.stock
+    packed = (None, stock_route(keys, policy, rows_of())) if stock else _on_outer_plan(q, k, v, keys, plan_of, opts, policy)
     if packed is None:
         return None
     if decision is not None:
