@@ -193,8 +193,9 @@ def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeyp
     """Where stock costs less than packing: if stock's kernel cannot take the outer product itself
     (cuDNN's attention), the hook hands stock the model's keys' mask and scales the rows, its check
     kept for the forward's one read; where it can, a boolean call goes to stock as it came: no
-    check, no read, the mask with its rows. ChromaPipeline's float 0/1 mask, read as boolean,
-    takes the keys' mask on both (as it came, stock would read it as a bias)."""
+    check, no read, the mask with its rows. ChromaPipeline's float 0/1 mask, read as boolean, is
+    checked against the model's mask: on cuDNN it takes the keys' mask, elsewhere stock gets the
+    boolean outer product of the model's mask in its place (as it came, stock would read a bias)."""
     from varlen_attn import costs, hook
 
     monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel)
@@ -210,17 +211,17 @@ def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeyp
         enabled.enable_gradient_checkpointing()
         # Spied once installed: the first install in a process writes what it replaced into the list.
         replaced = hook._replaced[0]
-        monkeypatch.setattr(hook, "_replaced", [lambda *a, **kw: seen.append(tuple(kw["attn_mask"].shape))
+        monkeypatch.setattr(hook, "_replaced", [lambda *a, **kw: seen.append((tuple(kw["attn_mask"].shape), kw["attn_mask"].dtype))
                                                 or replaced(*a, **kw)])
         va.reset_stats()
         seen.clear()
         assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref, what=f"stock, its kernel {kernel}")
         st_ = va.stats()
-        as_keys = kernel == "cudnn" or mask_dtype != torch.bool
+        as_keys = kernel == "cudnn"
         assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS}, st_
-        assert st_["host_syncs"] == (1 if as_keys else 0), st_
+        assert st_["host_syncs"] == (1 if as_keys or mask_dtype != torch.bool else 0), st_
         assert len(seen) == 2 * CHROMA_ATTN_LAYERS, seen
-        assert all((s[-2] == 1) == as_keys for s in seen), seen
+        assert all((s[-2] == 1) == as_keys and d == torch.bool for s, d in seen), seen
     finally:
         costs.use(None)
 

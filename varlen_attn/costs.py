@@ -202,8 +202,8 @@ class Crossover:
 # (hook._left_to_stock, execution.attend_outer); packed, it runs on the keys of its outer plan.
 # Routed to stock on the kernel that takes rows, a boolean such call goes as it came: the keys'
 # mask and rows there cost Chroma 512 px (1,325 tokens, cuDNN off) 722 ms a step against 663
-# (stock 645; H200, NOTES entry 56). A float 0/1 mask read as boolean still takes the keys' mask
-# (stock would read it as a bias). The table's outer rows stay as that measurement.
+# (stock 645; H200, NOTES entry 56). A float 0/1 mask read as boolean gets the model's boolean
+# outer product in its place (stock would read a bias). The table's outer rows stay as measured.
 CURVES = "key_padding"
 
 

@@ -46,12 +46,12 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     """The output where auto routes this eager call to stock's masked SDPA by cost
     (:mod:`varlen_attn.costs`), else None: decided here, before any check or conversion of ours,
     so that such a call costs a lookup over stock. Only where the mask reaches SDPA as stock reads
-    it (bool, or float under ``float_mask="bias"``), or else as the key-padding call it stands
-    for: a mask of the shape of the outer product of the forward's model mask (bool, or float
-    0/1 where the model's is, read as bool)
-    (:meth:`varlen_attn.execution.Deferred.factors`; its check kept for the forward's read, as in
-    :func:`varlen_attn.execution.attend_outer`); every other call takes the full path, which
-    decides the same way."""
+    it (bool, or float under ``float_mask="bias"``), or else in place of a mask of the shape of
+    the outer product of the forward's model mask (bool, or float 0/1 where the model's is, read
+    as bool; :meth:`varlen_attn.execution.Deferred.factors`), its check kept for the forward's
+    read, as in :func:`varlen_attn.execution.attend_outer`: that boolean outer product, or where
+    stock's kernel fails on rows (:func:`varlen_attn.costs.cudnn_rows_fail`) its keys' mask, the
+    rows then scaled. Every other call takes the full path, which decides the same way."""
     policy = entry.policy
     if policy.backend != "auto" or not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling():
         return None
@@ -84,12 +84,15 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     _stats.record_route(found.reason, SDPA)
     outer, keys = made
     bad = mask.ne(outer).any()
+    rows_fail = costs.cudnn_rows_fail(costs.stock_kernel(q.device, q.dtype), layout)
     if n > 3:
-        args = (*args[:3], keys, *args[4:])
+        args = (*args[:3], keys if rows_fail else outer, *args[4:])
     else:
-        kwargs = {**kwargs, "attn_mask": keys}
+        kwargs = {**kwargs, "attn_mask": keys if rows_fail else outer}
     out = _replaced[0](*args, **kwargs)
-    return out * checks.checked(checks.rows(out.dtype, bhsd=True), bad)
+    if rows_fail:
+        return out * checks.checked(checks.rows(out.dtype, bhsd=True), bad)
+    return checks.checked(out, bad)
 
 
 _sdpa.__doc__ = TORCH_SDPA.__doc__
