@@ -390,8 +390,10 @@ def outer_in_op(q, k, v, mask4, opts: Options, policy):
         return None
     keys, bad, plan_of, rows_of = _outer(q, mask4, checks)
     decision = cost_decision(q, k, v, keys, opts, policy)  # as attend_outer: weighed as its keys' mask
-    stock = decision is not None and decision.stock
-    packed = (None, stock_route(keys, policy, rows_of())) if stock else _on_outer_plan(q, k, v, keys, plan_of, opts, policy)
+    if decision is not None and decision.stock:
+        packed = None, stock_route(keys, policy, rows_of())
+    else:
+        packed = _on_outer_plan(q, k, v, keys, plan_of, opts, policy)
     if packed is None:
         return None
     if decision is not None:
