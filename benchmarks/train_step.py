@@ -31,8 +31,8 @@ module tree sharing the frozen base weights (no extra weight memory), with its o
 (all from the same init), its own optimizer and, with ``--compile blocks``, its own compiled
 blocks, compiled with ``dynamic=False``: the variants' blocks share their class's code, and with
 dynamo's automatic dynamic shapes the variant warmed up after another sequence length (varlen's
-trimmed text) ran on dynamic-shape graphs (stock Chroma 1024 px compiled blocks took 1,940 ms
-a step so, 1,446 when compiled first; H200, benchmarks/NOTES.md entry 57). Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
+trimmed text) was recompiled with symbolic lengths (stock's Chroma 1024 px step took 1,940 ms in
+such a run, 1,468 with ``dynamic=False``; H200, benchmarks/NOTES.md entry 57). Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
 turn (drift hits all alike; every other round in reverse order), until ``--max-seconds`` is spent
 (at least one round). Reported per variant: the median ms per step (CUDA events around each
 synchronised step; wall time on the CPU), stock / variant of those medians and, with two rounds
