@@ -196,8 +196,8 @@ class Crossover:
 
 
 # Every call is weighed on the key-padding curves, whatever its mask's layout. A mask with rows
-# costs stock's SDPA what its keys' mask costs on the kernel that takes rows (memory-efficient,
-# H200 table: 3.20 against 3.19 ms a call at 1,536 tokens, 22.7 against 22.0 at 4,608); where
+# costs stock's SDPA about what its keys' mask costs on the kernel that takes rows (memory-efficient,
+# H200 table: 3.58 against 3.38 ms a call at 1,536 tokens, 23.1 against 22.3 at 4,608); where
 # stock's kernel is cuDNN, auto's stock route for it is the keys' mask, then the rows
 # (hook._left_to_stock, execution.attend_outer); packed, it runs on the keys of its outer plan.
 # Routed to stock on the kernel that takes rows, a boolean such call goes as it came: the keys'
