@@ -212,7 +212,9 @@ def enable(model: torch.nn.Module, spec: str) -> None:
     (``trim_text=False``: the padded text columns stay in the model), ``@stockmask``
     (``restore_checkpoint_mask=False``: checkpointed blocks called without their mask attend
     unmasked, as stock's do) and ``@costs=FILE`` (auto
-    routes this variant's steps by the cost table FILE; :class:`Variant`)."""
+    routes this variant's steps by the cost table FILE; :class:`Variant`). Eagerly ``@general``
+    changes nothing: ``varlen:auto,varlen:auto@general`` is an A/A pair, what the harness resolves
+    (at 512 px two such variants differed by 6-12% on an H200, benchmarks/NOTES.md entry 57)."""
     backend, *options = spec.split("@")
     unknown = [o for o in options if o not in ("general", "notrim", "stockmask") and not o.startswith("costs=")]
     if unknown:
