@@ -31,8 +31,8 @@ module tree sharing the frozen base weights (no extra weight memory), with its o
 (all from the same init), its own optimizer and, with ``--compile blocks``, its own compiled
 blocks, compiled with ``dynamic=False``: the variants' blocks share their class's code, and with
 dynamo's automatic dynamic shapes the variant warmed up after another sequence length (varlen's
-trimmed text) was recompiled with symbolic lengths (stock's Chroma 1024 px step took 1,940 ms in
-such a run, 1,468 with ``dynamic=False``; H200, benchmarks/NOTES.md entry 57). Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
+trimmed text) was recompiled with symbolic lengths (seen in stock's warm-up; benchmarks/NOTES.md
+entry 57). Every variant is warmed up, then ``--rounds`` rounds run each variant ``--reps`` steps in
 turn (drift hits all alike; every other round in reverse order), until ``--max-seconds`` is spent
 (at least one round). Reported per variant: the median ms per step (CUDA events around each
 synchronised step; wall time on the CPU), stock / variant of those medians and, with two rounds
@@ -48,8 +48,9 @@ Stock is PyTorch's default kernel choice (``--cudnn-sdp default``; on H100/H200 
 cuDNN's attention); ``--cudnn-sdp off`` turns cuDNN's attention off for every variant, and a
 variant name ending in ``/nocudnn`` (``stock/nocudnn``, ``varlen:auto/nocudnn``) turns it off
 for that variant's steps only, compared with ``stock/nocudnn``: the memory-efficient kernel
-A100 and RTX GPUs get. cuDNN's attention failed inside diffusers' Chroma in some runs on torch
-2.11 (docs/versions.md). Note: diffusers' Chroma drops ``attention_mask`` from its checkpointed single
+A100 and RTX GPUs get (eager only: a compiled graph keeps the kernel it was compiled with, so
+compiled cells with cuDNN off take ``--cudnn-sdp off``, with inductor's graph cache off).
+cuDNN's attention failed inside diffusers' Chroma in some runs on torch 2.11 (docs/versions.md). Note: diffusers' Chroma drops ``attention_mask`` from its checkpointed single
 blocks, so its stock checkpointed step runs those blocks unmasked; enable_varlen passes the mask
 back (``restore_checkpoint_mask``), so the varlen step computes what the unchecked stock step does.
 """
@@ -650,8 +651,18 @@ def main():
     warmup = args.warmup if args.warmup is not None else (3 if compiled else 2)
     compile_backend = args.compile_backend or ("inductor" if gpu else "aot_eager")
     backends = args.backends.split(",") if args.backends else ["auto", *C.varlen_backends(dev)]
+    if compiled and any(n.endswith(NO_CUDNN) for n in (args.variants or "").split(",")):
+        # Dynamo does not guard on the flag either: the variants' blocks share their graphs' kernel.
+        raise SystemExit(f"--variants: a compiled step's SDPA kernel is fixed when its graph is compiled, so "
+                         f"compiled variants cannot differ in cuDNN's attention ({NO_CUDNN}): run them in a "
+                         f"process of their own with --cudnn-sdp off")
     if compiled:  # one graph per variant (masked, unmasked, each backend) per block class
         raise_recompile_limits()
+        # SDPA's kernel is chosen when a graph is compiled, and inductor's on-disk graph cache does
+        # not key on that choice (pytorch/pytorch#185449): with --cudnn-sdp off, stock's compiled
+        # Chroma 1024 px step took 1,446 ms, as with cuDNN's attention in the run before it on that
+        # machine, where compiled with it off it took 1,940 (H200, benchmarks/NOTES.md entry 57).
+        torch._inductor.config.fx_graph_cache = False
 
     base, cfg = build_model(args, dev, dtype)
     nparams = sum(p.numel() for p in base.parameters())
