@@ -326,21 +326,14 @@ def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None)
         _stats.record_host_sync()
         if bad.item():
             return attend(q, k, v, mask4, opts, policy)
-    decision = cost_decision(q, k, v, keys, opts, policy)
-    stock = decision is not None and decision.stock
-    packed = None if stock else _on_outer_plan(q, k, v, keys, plan_of, opts, policy)
-    if decision is not None and (stock or packed is not None):
-        _stats.record_route(decision.reason)
-    if packed is not None:
-        plan, first = packed
-        out = rerouted(policy.backend, first, lambda: route(q, k, v, plan, keys, opts, policy),
-                       lambda r: run(q, k, v, plan, keys, r, opts))[1]
-        return out if checks is None else checks.checked(out, bad)
-    rows = rows_of()
-    rows = rows if checks is None else checks.checked(rows, bad)
-    if stock:  # stock's SDPA on the keys' mask (its kernel, cuDNN's, fails on rows), the rows scaled
-        return run(q, k, v, None, keys, stock_route(keys, policy, rows), opts)
-    return attend(q, k, v, keys, opts, policy) * rows  # no backend here runs a static plan: the keys' own
+    packed = _keys_route(q, k, v, keys, plan_of, rows_of, opts, policy)
+    if packed is None:  # no backend here runs a static plan: the keys' own plan
+        rows = rows_of()
+        return attend(q, k, v, keys, opts, policy) * (rows if checks is None else checks.checked(rows, bad))
+    plan, first = packed
+    out = rerouted(policy.backend, first, lambda: route(q, k, v, plan, keys, opts, policy),
+                   lambda r: run(q, k, v, plan, keys, r, opts))[1]
+    return out if checks is None else checks.checked(out, bad)
 
 
 def _outer(q, mask4, checks: Deferred | None):
@@ -362,14 +355,23 @@ def _outer(q, mask4, checks: Deferred | None):
     return keep_k[:, None, None, :], bad, plan_of, lambda: keep_q.to(q.dtype)[:, :, None, None]
 
 
-def _on_outer_plan(q, k, v, keys, plan_of, opts: Options, policy):
-    """``(plan, route)`` of a call packed on the plan of its outer product (``plan_of()``), or
-    None where no backend here runs a static plan."""
-    plan = plan_of()
-    try:
-        return plan, route(q, k, v, plan, keys, opts, policy)
-    except BackendUnavailableError:
-        return None
+def _keys_route(q, k, v, keys, plan_of, rows_of, opts: Options, policy):
+    """``(plan, route)`` of a :func:`factorable` call weighed as its keys' mask: stock's SDPA on
+    ``keys`` with the output's rows scaled by ``rows_of()`` (no plan) where auto leaves it to
+    stock (its kernel, cuDNN's, fails on rows), else packed on the plan of the outer product
+    (``plan_of()``); None where no backend here runs that plan. The decision is counted."""
+    decision = cost_decision(q, k, v, keys, opts, policy)
+    if decision is not None and decision.stock:
+        found = None, stock_route(keys, policy, rows_of())
+    else:
+        plan = plan_of()
+        try:
+            found = plan, route(q, k, v, plan, keys, opts, policy)
+        except BackendUnavailableError:
+            return None
+    if decision is not None:
+        _stats.record_route(decision.reason)
+    return found
 
 
 def outer_in_op(q, k, v, mask4, opts: Options, policy):
@@ -389,16 +391,8 @@ def outer_in_op(q, k, v, mask4, opts: Options, policy):
     if decision is not None and decision.stock:
         return None
     keys, bad, plan_of, rows_of = _outer(q, mask4, checks)
-    decision = cost_decision(q, k, v, keys, opts, policy)  # as attend_outer: weighed as its keys' mask
-    if decision is not None and decision.stock:
-        packed = None, stock_route(keys, policy, rows_of())
-    else:
-        packed = _on_outer_plan(q, k, v, keys, plan_of, opts, policy)
-    if packed is None:
-        return None
-    if decision is not None:
-        _stats.record_route(decision.reason)
-    return *packed, keys, lambda out: checks.checked(out, bad)
+    packed = _keys_route(q, k, v, keys, plan_of, rows_of, opts, policy)
+    return None if packed is None else (*packed, keys, lambda out: checks.checked(out, bad))
 
 
 def rerouted(backend: str, first, choose, call):
