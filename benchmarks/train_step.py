@@ -50,9 +50,10 @@ variant name ending in ``/nocudnn`` (``stock/nocudnn``, ``varlen:auto/nocudnn``)
 for that variant's steps only, compared with ``stock/nocudnn``: the memory-efficient kernel
 A100 and RTX GPUs get (eager only: a compiled graph keeps the kernel it was compiled with, so
 compiled cells with cuDNN off take ``--cudnn-sdp off``, with inductor's graph cache off).
-cuDNN's attention failed inside diffusers' Chroma in some runs on torch 2.11 (docs/versions.md). Note: diffusers' Chroma drops ``attention_mask`` from its checkpointed single
-blocks, so its stock checkpointed step runs those blocks unmasked; enable_varlen passes the mask
-back (``restore_checkpoint_mask``), so the varlen step computes what the unchecked stock step does.
+cuDNN's attention failed inside diffusers' Chroma in some runs on torch 2.11 (docs/versions.md).
+Note: diffusers' Chroma drops ``attention_mask`` from its checkpointed single blocks, so its
+stock checkpointed step runs those blocks unmasked; enable_varlen passes the mask back
+(``restore_checkpoint_mask``), so the varlen step computes what the unchecked stock step does.
 """
 
 from __future__ import annotations
