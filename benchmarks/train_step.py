@@ -36,7 +36,8 @@ entry 57). Every variant is warmed up, then ``--rounds`` rounds run each variant
 turn (drift hits all alike; every other round in reverse order), until ``--max-seconds`` is spent
 (at least one round). Reported per variant: the median ms per step (CUDA events around each
 synchronised step; wall time on the CPU), stock / variant of those medians and, with two rounds
-or more, stock / variant within each round (its median and range), the median CPU time of the
+or more, stock / variant within each round (its median, a bootstrap 95% interval of that median and the
+range; at 512 px, where steps are host-bound, take 50 rounds of one step), the median CPU time of the
 main thread per step (``time.thread_time`` before the final sync: the forward, the loss and the
 optimizer step; CUDA backward, checkpoint recomputation included, runs on autograd's device
 thread and is not in it), the CPU time of every other thread over the step (the process's
@@ -67,6 +68,7 @@ import logging
 import os
 import sys
 import pathlib
+import random
 import statistics
 import tempfile
 import threading
@@ -529,6 +531,19 @@ def paired_ratios(v: Variant, stock: Variant | None) -> list[float]:
     return [statistics.median(s) / statistics.median(t) for s, t in zip(stock.rounds, v.rounds) if s and t]
 
 
+def median_ci(values: list[float], level: float = 0.95, resamples: int = 2000) -> tuple[float, float] | None:
+    """A percentile bootstrap interval of the median of ``values`` (seeded: the same values give
+    the same interval), None below 5 values. Over paired ratios it says what the rounds resolve:
+    at 512 px, 50 rounds of one step put an A/A pair's interval at 0.99-1.02 on an H200, where 8
+    rounds' range was 6-12% wide (benchmarks/NOTES.md entry 58)."""
+    if len(values) < 5:
+        return None
+    rng = random.Random(0)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    tail = int(resamples * (1 - level) / 2)
+    return meds[tail], meds[resamples - 1 - tail]
+
+
 def summary(v: Variant, stock: Variant | None) -> dict:
     ms = statistics.median(v.times) if v.times else float("nan")
     stock_ms = statistics.median(stock.times) if stock is not None and stock.times else None
@@ -538,6 +553,7 @@ def summary(v: Variant, stock: Variant | None) -> dict:
         "median_ms": ms, "min_ms": min(v.times, default=float("nan")),
         "stock_over_variant": (stock_ms / ms) if stock_ms and v.times else None,
         "paired_ratios": paired, "paired_ratio_median": statistics.median(paired) if paired else None,
+        "paired_ratio_ci95": median_ci(paired),
         "main_thread_cpu_ms": statistics.median(v.cpu_ms) if v.cpu_ms else None, "main_thread_cpu_times_ms": v.cpu_ms,
         "other_threads_cpu_ms": statistics.median(v.other_cpu_ms) if v.other_cpu_ms else None,
         # Per step, wall time minus the CPU time of every thread: time in which no thread of the
@@ -585,8 +601,10 @@ def line(name: str, r: dict, varlen: bool) -> str:
     peak = f"{r['peak_mib'] / 1024:7.2f} GiB" if r["peak_mib"] else "      - GiB"
     ratio = f"{r['stock_over_variant']:5.2f}x" if r["stock_over_variant"] else "    -"
     paired = r["paired_ratios"]
-    if name != "stock" and len(paired) > 1:  # per round: median, and the range over rounds
-        ratio += f" (rounds {r['paired_ratio_median']:.2f}x, {min(paired):.2f}-{max(paired):.2f})"
+    if name != "stock" and len(paired) > 1:  # per round: median, its 95% interval, the range over rounds
+        ci = r.get("paired_ratio_ci95")
+        ci = f", 95% CI {ci[0]:.3f}-{ci[1]:.3f}" if ci else ""
+        ratio += f" (rounds {r['paired_ratio_median']:.3f}x{ci}, range {min(paired):.2f}-{max(paired):.2f})"
     extra = ""
     if varlen:
         ran = ",".join(f"{k}:{n}" for k, n in r["stats"]["backends"].items()) or "none"

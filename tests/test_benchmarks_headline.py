@@ -109,3 +109,26 @@ def test_train_step_refuses_compiled_variants_that_differ_in_cudnn():
                           timeout=120, cwd=ROOT)
     assert proc.returncode != 0
     assert "compiled variants cannot differ in cuDNN's attention" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_train_steps_interval_of_the_paired_median_holds_it_narrows_with_rounds_and_is_repeatable():
+    """The bootstrap interval train_step prints beside the rounds' median ratio: it contains the
+    median, is the same for the same rounds, narrows as rounds are added from one distribution,
+    and is absent below 5 rounds (where the range is all there is)."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from train_step import median_ci
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    import random
+    import statistics
+
+    rng = random.Random(1)
+    few = [rng.gauss(1.0, 0.08) for _ in range(8)]
+    many = few + [rng.gauss(1.0, 0.08) for _ in range(192)]
+    assert median_ci(few[:4]) is None
+    for values in (few, many):
+        lo, hi = median_ci(values)
+        assert lo <= statistics.median(values) <= hi
+        assert median_ci(values) == (lo, hi)
+    assert median_ci(many)[1] - median_ci(many)[0] < median_ci(few)[1] - median_ci(few)[0]
