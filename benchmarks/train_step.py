@@ -119,8 +119,8 @@ def parse_args() -> argparse.Namespace:
                     help="on: diffusers' own; caller: every block's forward wrapped in torch.utils.checkpoint "
                          "(non-reentrant) by the caller, as OneTrainer does")
     ap.add_argument("--cudnn-sdp", choices=("off", "default"), default="default",
-                    help="SDPA's cuDNN attention for every variant: off (default; how every published number "
-                         "was taken) or PyTorch's default choice (on H100/H200 masked SDPA then takes it)")
+                    help="SDPA's cuDNN attention for every variant: PyTorch's default choice (default; on H100/H200 "
+                         "masked SDPA then takes it) or off (the memory-efficient kernel A100 and RTX GPUs get)")
     ap.add_argument("--compile", choices=("none", "blocks", "whole"), default="none",
                     help="blocks: block.compile(fullgraph=True) of every block; whole: torch.compile(model, fullgraph=True)")
     ap.add_argument("--compile-mode", default=None, choices=(None, "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
