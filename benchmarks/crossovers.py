@@ -5,8 +5,9 @@
     python benchmarks/crossovers.py --out my_gpu.json --png crossovers.png
     python benchmarks/crossovers.py --device cpu --out /tmp/x.json   # smoke run: toy sizes
 
-One call is forward + backward, batch 3, 24 heads of 128, bf16, a joint ``[text; image]``
-sequence: 512 text tokens of which 77, 300 and 2 are valid, then N image tokens, all valid; the
+One call is forward + backward, batch 3 (``--batch``), 24 heads of 128, bf16, a joint
+``[text; image]`` sequence: 512 text tokens of which 77, 300 and 2 are valid (cycled over a
+larger batch: ``split_sdpa`` launches a kernel per sequence), then N image tokens, all valid; the
 mask as Chroma gives it (outer product ``[B, 1, S, S]``: padded queries attend nothing) and as
 Qwen-Image gives it (key padding ``[B, 1, 1, S]``). Routes: stock masked SDPA with the kernel
 PyTorch picks by default and with cuDNN's attention off (the memory-efficient kernel: what
@@ -44,12 +45,13 @@ import varlen_attn as va
 TEXT, LENGTHS = 512, (77, 300, 2)
 
 
-def inputs(image: int, device, dtype, heads: int, head_dim: int):
-    shape = C.Shape(3, TEXT, image, LENGTHS, heads=heads, head_dim=head_dim)
+def inputs(image: int, device, dtype, heads: int, head_dim: int, batch: int = 3):
+    lengths = tuple(LENGTHS[i % len(LENGTHS)] for i in range(batch))
+    shape = C.Shape(batch, TEXT, image, lengths, heads=heads, head_dim=head_dim)
     keep = C.joint_keep(shape, device)
     g = torch.Generator(device=device).manual_seed(0)
     s = TEXT + image
-    q, k, v = (torch.randn(3, heads, s, head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
+    q, k, v = (torch.randn(batch, heads, s, head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
                for _ in range(3))
     masks = {"outer": keep[:, None, :, None] & keep[:, None, None, :], "key_padding": keep[:, None, None, :]}
     return q, k, v, masks
@@ -97,13 +99,13 @@ def one_round(fn, q, k, v, m, device, calls: int, syncs: bool) -> tuple[float, f
     return host, start.elapsed_time(end) / calls
 
 
-def measure(images, device, dtype, heads, head_dim, calls, rounds) -> dict:
+def measure(images, device, dtype, heads, head_dim, calls, rounds, batch: int = 3) -> dict:
     """``{layout: {"tokens": [...], "valid": [...], "routes": {label: {"host": [...], "gpu": [...],
     "cost": [...]}}}}``."""
     table = {}
     labels = routes(device, dtype)
     for image in images:
-        q, k, v, masks = inputs(image, device, dtype, heads, head_dim)
+        q, k, v, masks = inputs(image, device, dtype, heads, head_dim, batch)
         for layout, m in masks.items():
             entry = table.setdefault(layout, {"tokens": [], "routes": {}})
             entry["tokens"].append(TEXT + image)
@@ -204,6 +206,8 @@ def main():
                     help="image tokens per sequence (plus 512 text tokens)")
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=3,
+                    help="sequences per call (default 3, the packaged table's); prompt lengths 77, 300, 2 cycled")
     ap.add_argument("--out", default=None, help="write the table here (varlen_attn's costs format)")
     ap.add_argument("--png", default=None)
     ap.add_argument("--from-json", default=None, help="chart a saved table (no GPU needed)")
@@ -221,10 +225,10 @@ def main():
     heads, head_dim = (24, 128) if cuda else (2, 32)
     env = C.environment(device)
     layouts = measure(images, device, torch.bfloat16 if cuda else torch.float32, heads, head_dim,
-                      args.calls, args.rounds)
+                      args.calls, args.rounds, args.batch)
     result = {"gpu": env["gpu"],
               "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
-              "dtype": "bfloat16" if cuda else "float32", "environment": env, "batch": 3, "heads": heads, "head_dim": head_dim,
+              "dtype": "bfloat16" if cuda else "float32", "environment": env, "batch": args.batch, "heads": heads, "head_dim": head_dim,
               "layouts": layouts, "crossovers": {lay: crossovers(t) for lay, t in layouts.items()}}
     print(json.dumps(result["crossovers"], indent=1))
     if args.out:
