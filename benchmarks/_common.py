@@ -478,7 +478,8 @@ def timeline_summary(path: str, slices: int = 10) -> dict:
     # thread that ran ops, the largest first: where the host's time goes.
     self_ms: dict = {}
     for tid, lst in by_tid.items():
-        ops = [e for e in lst if e.get("cat") in ("cpu_op", "python_function")] + [e for e in runtime if e["tid"] == tid]
+        ops = ([e for e in lst if e.get("cat") in ("cpu_op", "python_function")]
+               + [e for e in runtime if e["tid"] == tid])
         ops.sort(key=lambda e: (e["ts"], -e["dur"]))
         acc: dict = {}
         stack: list = []  # [end, name, child time, duration]
@@ -496,7 +497,9 @@ def timeline_summary(path: str, slices: int = 10) -> dict:
         if acc:
             total = sum(acc.values())
             span = max(e["ts"] + e["dur"] for e in ops) - ops[0]["ts"]
-            self_ms[tid] = {"total_ms": total / 1e3, "outside_ms": (span - top_level) / 1e3, "top": [(n, v / 1e3) for n, v in sorted(acc.items(), key=lambda kv: -kv[1])[:12]]}
+            largest = sorted(acc.items(), key=lambda kv: -kv[1])[:12]
+            self_ms[tid] = {"total_ms": total / 1e3, "outside_ms": (span - top_level) / 1e3,
+                            "top": [(n, v / 1e3) for n, v in largest]}
 
     waits = sorted((e for e in runtime if _blocking_call(e["name"])), key=lambda e: -e["dur"])
     top = [{"name": w["name"], "ms": w["dur"] / 1e3, "at_ms": (w["ts"] - t0) / 1e3, "tid": w["tid"], "in": around(w)}
@@ -523,7 +526,8 @@ def timeline_text(name: str, s: dict) -> str:
     for w in s["waits"]["longest"]:
         out.append(f"    wait {w['name']} {w['ms']:.2f} ms at {w['at_ms']:.1f} ms (thread {w['tid']}, in {w['in']})")
     for tid, t in s.get("self_ms", {}).items():
-        out.append(f"    thread {tid}: ops' self time {t['total_ms']:.1f} ms, between ops (Python) {t['outside_ms']:.1f} ms; largest: "
+        out.append(f"    thread {tid}: ops' self time {t['total_ms']:.1f} ms, between ops (Python) "
+                   f"{t['outside_ms']:.1f} ms; largest: "
                    + ", ".join(f"{n} {v:.1f}" for n, v in t["top"]))
     return "\n".join(out)
 

@@ -51,8 +51,8 @@ def inputs(image: int, device, dtype, heads: int, head_dim: int, batch: int = 3)
     keep = C.joint_keep(shape, device)
     g = torch.Generator(device=device).manual_seed(0)
     s = TEXT + image
-    q, k, v = (torch.randn(batch, heads, s, head_dim, device=device, dtype=dtype, generator=g).requires_grad_()
-               for _ in range(3))
+    q, k, v = (torch.randn(batch, heads, s, head_dim, device=device, dtype=dtype, generator=g)
+               .requires_grad_() for _ in range(3))
     masks = {"outer": keep[:, None, :, None] & keep[:, None, None, :], "key_padding": keep[:, None, None, :]}
     return q, k, v, masks
 
@@ -207,7 +207,8 @@ def main():
     ap.add_argument("--calls", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--batch", type=int, default=3,
-                    help="sequences per call (default 3, the packaged table's); prompt lengths 77, 300, 2 cycled")
+                    help="sequences per call (default 3, the packaged table's); prompt lengths 77, 300, 2 "
+                         "cycled")
     ap.add_argument("--out", default=None, help="write the table here (varlen_attn's costs format)")
     ap.add_argument("--png", default=None)
     ap.add_argument("--from-json", default=None, help="chart a saved table (no GPU needed)")
@@ -228,7 +229,8 @@ def main():
                       args.calls, args.rounds, args.batch)
     result = {"gpu": env["gpu"],
               "capability": list(torch.cuda.get_device_capability(device)) if cuda else None,
-              "dtype": "bfloat16" if cuda else "float32", "environment": env, "batch": args.batch, "heads": heads, "head_dim": head_dim,
+              "dtype": "bfloat16" if cuda else "float32", "environment": env, "batch": args.batch,
+              "heads": heads, "head_dim": head_dim,
               "layouts": layouts, "crossovers": {lay: crossovers(t) for lay, t in layouts.items()}}
     print(json.dumps(result["crossovers"], indent=1))
     if args.out:

@@ -36,9 +36,9 @@ entry 57). Every variant is warmed up, then ``--rounds`` rounds run each variant
 turn (drift hits all alike; every other round in reverse order), until ``--max-seconds`` is spent
 (at least one round). Reported per variant: the median ms per step (CUDA events around each
 synchronised step; wall time on the CPU), stock / variant of those medians and, with two rounds
-or more, stock / variant within each round (its median, a bootstrap 95% interval of that median and the
-range; at 512 px, where steps are host-bound, take 50 rounds of one step), the median CPU time of the
-main thread per step (``time.thread_time`` before the final sync: the forward, the loss and the
+or more, stock / variant within each round (its median, a bootstrap 95% interval of that median
+and the range; at 512 px, where steps are host-bound, take 50 rounds of one step), the median CPU
+time of the main thread per step (``time.thread_time`` before the final sync: the forward, the loss and the
 optimizer step; CUDA backward, checkpoint recomputation included, runs on autograd's device
 thread and is not in it), the CPU time of every other thread over the step (the process's
 minus the main thread's: autograd's device thread above all), peak memory (reset per variant
@@ -63,12 +63,14 @@ import argparse
 import copy
 import functools
 import gc
+import gzip
 import json
 import logging
 import os
 import sys
 import pathlib
 import random
+import shutil
 import statistics
 import tempfile
 import threading
@@ -119,8 +121,9 @@ def parse_args() -> argparse.Namespace:
                     help="on: diffusers' own; caller: every block's forward wrapped in torch.utils.checkpoint "
                          "(non-reentrant) by the caller, as OneTrainer does")
     ap.add_argument("--cudnn-sdp", choices=("off", "default"), default="default",
-                    help="SDPA's cuDNN attention for every variant: PyTorch's default choice (default; on H100/H200 "
-                         "masked SDPA then takes it) or off (the memory-efficient kernel A100 and RTX GPUs get)")
+                    help="SDPA's cuDNN attention for every variant: PyTorch's default choice (default; on "
+                         "H100/H200 masked SDPA then takes it) or off (the memory-efficient kernel A100 and "
+                         "RTX GPUs get)")
     ap.add_argument("--compile", choices=("none", "blocks", "whole"), default="none",
                     help="blocks: block.compile(fullgraph=True) of every block; whole: torch.compile(model, fullgraph=True)")
     ap.add_argument("--compile-mode", default=None, choices=(None, "default", "reduce-overhead", "max-autotune-no-cudagraphs"),
@@ -218,13 +221,15 @@ def enable(model: torch.nn.Module, spec: str) -> None:
     unmasked, as stock's do) and ``@costs=FILE`` (auto
     routes this variant's steps by the cost table FILE; :class:`Variant`). Eagerly ``@general``
     changes nothing: ``varlen:auto,varlen:auto@general`` is an A/A pair, what the harness resolves
-    (at 512 px two such variants differed by 6-12% on an H200, benchmarks/NOTES.md entry 57)."""
+    (at 512 px on an H200 two such variants differed by 6-12% over 8-10 rounds, and by 0.2%,
+    interval 0.99-1.02, over 50 rounds of one step: benchmarks/NOTES.md entries 57, 58)."""
     backend, *options = spec.split("@")
-    unknown = [o for o in options if o not in ("general", "notrim", "stockmask") and not o.startswith("costs=")]
+    known = ("general", "notrim", "stockmask")
+    unknown = [o for o in options if o not in known and not o.startswith("costs=")]
     if unknown:
-        raise SystemExit(f"variant {spec!r}: unknown options {unknown} (expected general, notrim, stockmask, costs=FILE)")
-    va.enable_varlen(model, backend=backend, in_graph="general" not in options, trim_text="notrim" not in options,
-                     restore_checkpoint_mask="stockmask" not in options)
+        raise SystemExit(f"variant {spec!r}: unknown options {unknown} (expected {', '.join(known)}, costs=FILE)")
+    va.enable_varlen(model, backend=backend, in_graph="general" not in options,
+                     trim_text="notrim" not in options, restore_checkpoint_mask="stockmask" not in options)
 
 
 def blocks_of(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -731,7 +736,8 @@ def main():
             for block in blocks_of(model):
                 block.compile(fullgraph=True, dynamic=False, backend=compile_backend, mode=args.compile_mode)
         elif args.compile == "whole":
-            model = torch.compile(model, fullgraph=True, dynamic=False, backend=compile_backend, mode=args.compile_mode)
+            model = torch.compile(model, fullgraph=True, dynamic=False, backend=compile_backend,
+                                  mode=args.compile_mode)
         variants.append(Variant(name, model, masked=name.removesuffix(NO_CUDNN) != "nomask", lr=args.lr))
     del base
     if gpu:
@@ -800,9 +806,8 @@ def main():
                     C.timeline_record(functools.partial(v.step, batch), path, stack=args.timeline_stack)
                     lines[v.name] = C.timeline_summary(path)
                     if args.trace_dir:
-                        import gzip
-                        import shutil
-                        out = os.path.join(args.trace_dir, v.name.replace(":", "_").replace("/", "_").replace("@", "_") + ".json.gz")
+                        stem = v.name.replace(":", "_").replace("/", "_").replace("@", "_")
+                        out = os.path.join(args.trace_dir, stem + ".json.gz")
                         with open(path, "rb") as src, gzip.open(out, "wb", compresslevel=6) as dst:
                             shutil.copyfileobj(src, dst)
                 except Exception as e:  # as --gpu-busy: the column is lost, not the run

@@ -5,6 +5,8 @@ asked for ran, was measured and reached the table and the JSON."""
 
 import json
 import os
+import random
+import statistics
 import subprocess
 import sys
 
@@ -120,9 +122,6 @@ def test_train_steps_interval_of_the_paired_median_holds_it_narrows_with_rounds_
         from train_step import median_ci
     finally:
         sys.path.remove(os.path.join(ROOT, "benchmarks"))
-    import random
-    import statistics
-
     rng = random.Random(1)
     few = [rng.gauss(1.0, 0.08) for _ in range(8)]
     many = few + [rng.gauss(1.0, 0.08) for _ in range(192)]
