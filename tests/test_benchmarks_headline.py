@@ -106,8 +106,8 @@ def test_train_step_refuses_compiled_variants_that_differ_in_cudnn():
     """A compiled graph keeps the SDPA kernel it was compiled with (and dynamo does not guard on
     cuDNN's flag): compiled ``stock`` and ``stock/nocudnn`` would share one kernel."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--compile", "blocks",
-                           "--variants", "stock,stock/nocudnn"], capture_output=True, text=True, env=env,
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"),
+                           "--compile", "blocks", "--variants", "stock,stock/nocudnn"], capture_output=True, text=True, env=env,
                           timeout=120, cwd=ROOT)
     assert proc.returncode != 0
     assert "compiled variants cannot differ in cuDNN's attention" in proc.stderr, proc.stderr[-2000:]

@@ -211,11 +211,16 @@ def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeyp
         enabled.enable_gradient_checkpointing()
         # Spied once installed: the first install in a process writes what it replaced into the list.
         replaced = hook._replaced[0]
-        monkeypatch.setattr(hook, "_replaced", [lambda *a, **kw: seen.append((tuple(kw["attn_mask"].shape), kw["attn_mask"].dtype))
-                                                or replaced(*a, **kw)])
+
+        def spy(*a, **kw):
+            seen.append((tuple(kw["attn_mask"].shape), kw["attn_mask"].dtype))
+            return replaced(*a, **kw)
+
+        monkeypatch.setattr(hook, "_replaced", [spy])
         va.reset_stats()
         seen.clear()
-        assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref, what=f"stock, its kernel {kernel}")
+        assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref,
+                           what=f"stock, its kernel {kernel}")
         st_ = va.stats()
         as_keys = kernel == "cudnn"
         assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS}, st_

@@ -381,7 +381,8 @@ def test_compiled_blocks_leave_calls_to_stocks_cudnn_as_their_keys_mask_with_its
     from varlen_attn import costs
 
     monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "cudnn")
-    lay = {"tokens": [16, 256], "routes": {"sdpa:cudnn": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+    lay = {"tokens": [16, 256],
+           "routes": {"sdpa:cudnn": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
     costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
     seen = []
     sdpa = execution.TORCH_SDPA
@@ -402,7 +403,8 @@ def test_compiled_blocks_leave_calls_to_stocks_cudnn_as_their_keys_mask_with_its
         for _ in range(2):  # the second step on the graphs the first traced
             va.reset_stats()
             seen.clear()
-            assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref, what="keys' mask on stock")
+            assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref,
+                               what="keys' mask on stock")
             st_ = va.stats()
             assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
             assert st_["host_syncs"] == 1, st_

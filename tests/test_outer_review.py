@@ -108,7 +108,8 @@ def test_peft_lora_chroma(checkpointing):
 def test_float_bias_left_to_stock_as_key_padding_fails_its_check_and_equals_stock():
     """A float mask that is no 0/1 mask, on the route that hands stock the keys' mask: its
     check fails and the forward runs again, read as stock reads it."""
-    lay = {"tokens": [16, 256], "routes": {"sdpa:cpu": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+    lay = {"tokens": [16, 256],
+           "routes": {"sdpa:cpu": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
     costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
     try:
         stock = tiny_chroma()

@@ -218,7 +218,8 @@ def kernel_crossover(device: torch.device, dtype, kernel: str | None, layout: st
         why = f"no cost table for {_gpu_name(device)} ({dtype})"
     else:
         at = crossover_tokens(table["layouts"][CURVES], kernel, f"sdpa:{stock}")
-        why = (f"{table['gpu']}'s cost table has no curve for {kernel} or stock SDPA ({stock}), {CURVES} masks"
+        why = (f"{table['gpu']}'s cost table has no curve for {kernel} or stock SDPA ({stock}), "
+               f"{CURVES} masks"
                if at is None else None)
     if at is not None and cudnn_rows_fail(stock, layout):
         at, why = None, "stock's cuDNN attention fails on masks with rows"
