@@ -30,11 +30,11 @@ BACKENDS: dict[str, Backend] = {
 # list is what it is"; measurements: benchmarks/NOTES.md, "Backends").
 # sm90+: FA4, FA3, then `torch`, which beat split_sdpa in Chroma steps at 1024 px (H200: 1948
 # against 1974 ms; 2053 against 2086 with cuDNN off, NOTES entry 59) though split_sdpa is faster
-# per call: its host read a call drains the queue. Not weighed against stock either: it beat
-# cuDNN's masked call in a Qwen-Image 1024 px step (2047 against 2172 ms) but lost to `torch`
-# in Chroma's, and the per-call table cannot see the reads. One order for every row length
-# eagerly: FA4 beat `torch` in four of six H100 512 px steps and every 1024 px one
-# (docs/versions.md).
+# per call: its host read a call drains the queue. auto weighs only the first kernel here
+# against stock: split_sdpa beat stock's cuDNN in a Qwen-Image 1024 px step (2047 against 2172
+# ms) and lost to `torch` in Chroma's; the per-call table cannot see the reads. One order for
+# every row length eagerly: FA4 beat `torch` in four of six H100 512 px steps and every 1024 px
+# one (docs/versions.md).
 # sm80-89: FA2 varlen first (docs/versions.md). CPU: one SDPA per segment beats explicit matmuls.
 PRIORITY: dict[str, tuple[str, ...]] = {
     "cpu": ("split_sdpa", "reference"),
