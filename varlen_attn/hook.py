@@ -67,24 +67,28 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
         return None
     layout = costs.layout_of(mask.shape)
     as_bool = mask.is_floating_point() and policy.float_mask != "bias"  # stock would read a bias
-    if not as_bool:
-        found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], layout)
-        if found.stock:
-            _stats.record_route(found.reason, SDPA)
-            return _replaced[0](*args, **kwargs)
+    if as_bool and layout != "outer":
+        return None
+    found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], layout)
+    if found.stock and not as_bool:
+        _stats.record_route(found.reason, SDPA)
+        return _replaced[0](*args, **kwargs)
     checks = entry.checks
     made = (checks.factors(mask, qs[0]) if checks is not None and layout == "outer"
             and (checks.float01 if as_bool else mask.dtype == torch.bool)
             and qs[2] == ks[2] == mask.shape[-1] else None)
     if made is None:
         return None
-    found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], "key_padding")
-    if not found.stock:
-        return None
+    # Weighed as an outer mask and as its keys' mask, a call differs only where stock's kernel
+    # fails on rows (both on costs.CURVES; costs.cudnn_rows_fail): there stock gets the keys' mask.
+    rows_fail = not found.stock
+    if rows_fail:
+        found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], "key_padding")
+        if not found.stock:
+            return None
     _stats.record_route(found.reason, SDPA)
     outer, keys = made
     bad = mask.ne(outer).any()
-    rows_fail = costs.cudnn_rows_fail(costs.stock_kernel(q.device, q.dtype), layout)
     if n > 3:
         args = (*args[:3], keys if rows_fail else outer, *args[4:])
     else:
