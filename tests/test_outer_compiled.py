@@ -412,3 +412,45 @@ def test_compiled_blocks_leave_calls_to_stocks_cudnn_as_their_keys_mask_with_its
             assert seen and all(s is not None and s[-2] == 1 for s in seen), seen  # no rows reached SDPA
     finally:
         costs.use(None)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_blocks_with_symbolic_lengths_leave_calls_to_stock_as_they_came_in_the_op(monkeypatch):
+    """Where stock's kernel takes rows and costs less than packing, but the graph cannot prove the
+    call's lengths below the crossover (compiled with symbolic shapes), the op weighs the call at
+    run time and sends it to stock's SDPA as it came: the mask with its rows, no check, no read,
+    the route counted once a call; equal to the stock model, outputs and gradients."""
+    from varlen_attn import costs
+
+    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "efficient")
+    lay = {"tokens": [16, 256],
+           "routes": {"sdpa:efficient": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+    seen = []
+    sdpa = execution.TORCH_SDPA
+
+    def spy(*args, **kwargs):
+        mask = kwargs.get("attn_mask")
+        seen.append(None if mask is None else tuple(mask.shape))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(execution, "TORCH_SDPA", spy)
+    try:
+        stock = tiny_chroma()
+        ref = step(stock, chroma_inputs())
+        enabled = va.enable_varlen(copy.deepcopy(stock))
+        enabled.enable_gradient_checkpointing()
+        for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
+            block.compile(fullgraph=True, dynamic=True, backend="aot_eager")
+        for _ in range(2):  # the second step on the graphs the first traced
+            va.reset_stats()
+            seen.clear()
+            assert_model_close(step(enabled, chroma_inputs()), ref, what="as it came, in the op")
+            st_ = va.stats()
+            assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
+            assert st_["host_syncs"] == 0 and st_["plan_builds"] == 0, st_
+            assert sum(st_["routes"].values()) == 2 * CHROMA_ATTN_LAYERS, st_
+            assert all("outer mask, stock on efficient" in r for r in st_["routes"]), st_
+            assert seen and all(s is not None and s[-2] > 1 for s in seen), seen  # the rows reached SDPA
+    finally:
+        costs.use(None)
