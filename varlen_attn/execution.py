@@ -381,15 +381,17 @@ def outer_in_op(q, k, v, mask4, opts: Options, policy):
     (:class:`Deferred`). ``(plan, route, keys, checked)``, ``checked(out)`` the output with its
     check; None where the entry reads each call (no checks), the call is not the model's own
     (``policy.model``: the hook's; a call of the functional API in the graph is read in its call,
-    as eagerly, where no checks reach it), not :func:`factorable`, auto leaves it to stock as it
-    came, or no backend runs the plan (:func:`plan_and_route` then)."""
+    as eagerly, where no checks reach it), not :func:`factorable`, or no backend runs the plan
+    (:func:`plan_and_route` then); where auto leaves it to stock as it came, that route:
+    ``(None, route, mask4, None)``."""
     top = current()
     checks = None if top is None or not policy.model else top.checks
     if checks is None or not factorable(mask4, opts, policy, checks, q.shape[0]):
         return None
     decision = cost_decision(q, k, v, mask4, opts, policy)
     if decision is not None and decision.stock:
-        return None
+        _stats.record_route(decision.reason)
+        return None, stock_route(mask4, policy), mask4, None
     keys, bad, plan_of, rows_of = _outer(q, mask4, checks)
     packed = _keys_route(q, k, v, keys, plan_of, rows_of, opts, policy)
     return None if packed is None else (*packed, keys, lambda out: checks.checked(out, bad))
