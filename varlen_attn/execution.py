@@ -115,20 +115,14 @@ def _select(q, k, v, plan: VarlenPlan, scale: float, opts: Options, name: str) -
     return impl
 
 
-def refuse_unpackable(policy, reason: str) -> None:
-    """Raise where the policy forbids running an unpackable call on masked SDPA: ``strict``,
-    or an explicit varlen backend (never a silent fallback)."""
+def unpackable(policy, reason: str, mask4: torch.Tensor | None) -> Route:
+    """The route of a call whose mask cannot be packed: masked SDPA, the reason recorded as a
+    fallback under ``auto``; raises under ``strict`` or an explicit varlen backend (never a silent
+    fallback), and where the call has a plan but no mask (``mask4`` None: nothing for SDPA to run on)."""
     if policy.strict:
         raise NotPackableError(reason)
     if policy.backend not in ("auto", SDPA):
         raise BackendUnavailableError(f"backend {policy.backend!r} needs a packable mask: {reason}")
-
-
-def unpackable(policy, reason: str, mask4: torch.Tensor | None) -> Route:
-    """The route of a call whose mask cannot be packed: masked SDPA, the reason recorded as a
-    fallback under ``auto``; raises under ``strict`` or an explicit varlen backend, and where the
-    call has a plan but no mask (``mask4`` None: nothing for SDPA to run on)."""
-    refuse_unpackable(policy, reason)
     if mask4 is None:
         raise InputValueError(f"plan is not packable ({reason}); pass attn_mask so SDPA can run")
     return Route(None, reason if policy.backend == "auto" else None)

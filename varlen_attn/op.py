@@ -106,28 +106,22 @@ def _release(ident: int) -> None:
             return
         if not rec.keep or rec.adopted:
             del _records[ident]
-        else:
+        else:  # it waits for a backward; the oldest go beyond _KEPT_MAX entries or _KEPT_BYTES
             mask = rec.entry[2]
-            _wait(_waiting, ident, mask.numel() * mask.element_size() if torch.is_tensor(mask) else 0, _KEPT_MAX)
+            _waiting[ident] = mask.numel() * mask.element_size() if torch.is_tensor(mask) else 0
+            while len(_waiting) > _KEPT_MAX or sum(_waiting.values()) > _KEPT_BYTES:
+                _records.pop(_waiting.popitem(last=False)[0], None)
 
 
-def _wait(queue: OrderedDict, ident: int, size: int, most: int) -> None:
-    """Entry ``ident`` (``size`` bytes kept) waits in ``queue`` for a backward; the oldest go
-    beyond ``most`` entries or _KEPT_BYTES."""
-    queue[ident] = size
-    while len(queue) > most or sum(queue.values()) > _KEPT_BYTES:
-        _records.pop(queue.popitem(last=False)[0], None)
-
-
-def _held(handle: Tensor, backward: bool = False):
+def _held(handle: Tensor):
     """The entry under ``handle`` (the original or a copy), while it lives or waits; else None.
-    ``backward``: an attention backward's lookup, which adopts a copy (see above)."""
+    A backward's lookup: it adopts a copy (see above)."""
     ident = int(handle.item())
     with _lock:
         rec = _records.get(ident)
         if rec is None:
             return None
-        if backward and rec.keep and not any(h() is handle for h in rec.handles):
+        if rec.keep and not any(h() is handle for h in rec.handles):
             rec.handles.append(weakref.ref(handle))
             _waiting.pop(ident, None)
             weakref.finalize(handle, _release, ident)
@@ -255,7 +249,7 @@ def attention_backward_op(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Te
     (or a copy of it). ``bias``: the call's mask where it is a float one; any other mask is read
     from the entry (:func:`_kept_mask`)."""
     with torch._C.DisableTorchFunction():
-        entry = _held(handle, backward=True)
+        entry = _held(handle)
         if entry is None:
             raise VarlenAttnError(
                 "the backward of a compiled varlen_attn call found no entry of its forward. Under "
