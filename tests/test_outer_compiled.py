@@ -415,6 +415,62 @@ def test_compiled_blocks_leave_calls_to_stocks_cudnn_as_their_keys_mask_with_its
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_the_keys_route_in_the_graph_traces_once_and_redoes_a_failed_check_exactly(monkeypatch, checkpointing):
+    """The route above runs in the graph, not in the op (no call reaches the op's outer route): its
+    check made there and read once a forward; the graphs traced once. A mask that is no outer
+    product of its rows and keys is caught by that read and the forward run again exactly, its
+    calls then read in the op (dynamo retraces for a forward with no checks); strict raises."""
+    from test_outer import corrupt_one_block
+    from torch._dynamo.utils import counters
+    from varlen_attn import costs
+    from varlen_attn._errors import NotPackableError
+
+    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "cudnn")
+    lay = {"tokens": [16, 256],
+           "routes": {"sdpa:cudnn": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+    in_op = []
+    outer_in_op = execution.outer_in_op
+    monkeypatch.setattr(execution, "outer_in_op", lambda *a, **kw: in_op.append(1) or outer_in_op(*a, **kw))
+
+    def enabled_copy(stock, **options):
+        torch._dynamo.reset()  # a graph traced for another model's blocks would serve this one's
+        model = va.enable_varlen(copy.deepcopy(stock), **options)
+        if checkpointing:
+            model.enable_gradient_checkpointing()
+        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+            block.compile(fullgraph=True, backend="aot_eager")
+        return model
+
+    try:
+        stock = tiny_chroma()
+        enabled = enabled_copy(stock)
+        for i in range(3):
+            va.reset_stats()
+            assert_model_close(step(enabled, chroma_inputs()), step(stock, chroma_inputs()), what="keys in the graph")
+            st_ = va.stats()
+            assert st_["host_syncs"] == 1 and not st_["fallbacks"] and not in_op, (st_, in_op)
+            assert st_["backends"] == {"sdpa": CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)}, st_
+            if i == 0:
+                traced = counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == traced  # no graph traced after the first step
+
+        corrupt_one_block(stock, every=True)
+        enabled = enabled_copy(stock)
+        for _ in range(2):
+            va.reset_stats()
+            assert_model_close(step(enabled, chroma_inputs()), step(stock, chroma_inputs()), what="no outer product")
+            st_ = va.stats()
+            assert any("not the outer product of the model's mask" in r for r in st_["fallbacks"]), st_
+            assert in_op, st_  # the forward run again: its calls in the op, each read there
+        with pytest.raises(NotPackableError, match="not the outer product of the model's mask"):
+            step(enabled_copy(stock, strict=True), chroma_inputs())
+    finally:
+        costs.use(None)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_compiled_blocks_with_symbolic_lengths_leave_calls_to_stock_as_they_came_in_the_op(monkeypatch):
     """Where stock's kernel takes rows and costs less than packing, but the graph cannot prove the
     call's lengths below the crossover (compiled with symbolic shapes), the op weighs the call at

@@ -185,7 +185,8 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
     if mask is None and plan is None and policy.unmasked_is_sdpa:
         return execution.masked_sdpa(q, k, v, None, opts)  # no mask: SDPA (inside the graph when traced)
     if compiling:
-        return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
+        return op.attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy,
+                            deferred=checks is not None)
     if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
         r = execution.unpackable(policy, TRANSFORM_REASON, mask4)
         return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)

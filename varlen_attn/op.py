@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from . import _stats, costs, execution
-from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, VarlenAttnError
+from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, NotPackableError, VarlenAttnError
 from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, in_graph_priority, priority, rows_are_short, select
 from .pack import gather_rows
@@ -329,9 +329,11 @@ attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, convention: str, opts: Options,
-              policy: Policy) -> Tensor:
+              policy: Policy, deferred: bool = False) -> Tensor:
     """The traced path: padded ``[B, S, H, D]`` tensors to the op, or, for a key-padding mask
-    of an enabled model, attention in the graph itself (below). Reads nothing data-dependent."""
+    of an enabled model or an outer product left to stock as its keys' mask, attention in the
+    graph itself (below). Reads nothing data-dependent. ``deferred``: the model's forward
+    collects its checks (:class:`~varlen_attn.execution.Deferred`; dynamo guards on that)."""
     if opts.dropout_p:
         raise InputValueError(
             f"dropout_p must be 0 under torch.compile (a recomputed backward would draw a "
@@ -345,6 +347,8 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
         return _static_attention(q, k, v, mask, plan=plan, convention=convention, opts=opts, policy=policy)
     if policy.in_graph and mask is not None and plan is None and not opts.causal and policy.backend != "sdpa":
         mask4 = execution.mask4_of(mask, q, k, convention)
+        if deferred and _outer_keys_to_stock(q, k, mask4, opts, policy):
+            return _outer_as_keys(q, k, v, mask4, opts)
         if is_key_padding(mask4):
             scale = execution.kernel_scale(q, opts)
             short = policy.backend == "auto" and rows_are_short(k.shape[1])
@@ -647,6 +651,68 @@ def _in_graph_attention(q, k, v, mask4: Tensor, chosen: str, scale: float) -> Te
     out = _traced_kernel(chosen)(q.flatten(0, 1), kp, vp, cu_q, cu_k, sq, sk, scale)
     out = out.view(b, sq, q.shape[2], v.shape[-1])
     return out.masked_fill(dead.view(b, 1, 1, 1), 0)
+
+
+# An enabled model's boolean mask with rows whose keys' mask auto leaves to stock (stock's kernel,
+# cuDNN's, fails on rows: costs.cudnn_rows_fail), as execution.attend_outer runs it eagerly: SDPA
+# on the keys' mask in the graph, the rows scaled, the check that the mask is their outer product
+# made in the graph and kept by a small op for the forward's read (a recomputation's: NaN where it
+# fails). Through the general op instead, its backward ran the forward again (no SDPA backward
+# entry point there): 57 cuDNN forwards a step more at Chroma 1024 px, about what the compiled
+# Chroma step lost to stock without flash-attn (0.89x; benchmarks/NOTES.md entry 60).
+
+
+def _outer_keys_to_stock(q, k, mask4: Tensor, opts: Options, policy: Policy) -> bool:
+    """auto leaves this traced call, a boolean mask with rows the same in every head, to stock's
+    SDPA on its keys' mask: lengths provably below the key-padding crossover (as eagerly,
+    :func:`varlen_attn.execution._keys_route`)."""
+    if not (policy.model and mask4.dtype == torch.bool and execution.cost_applies(policy, opts.causal, False)
+            and statically_known_true(mask4.shape[1] == 1) and statically_known_true(mask4.shape[2] > 1)):
+        return False
+    bound = _cost_bound(q.dtype, q.device.type, q.device.index, "key_padding", False, False)
+    return statically_known_true(q.shape[1] * k.shape[1] < bound)
+
+
+def _outer_as_keys(q, k, v, mask4: Tensor, opts: Options) -> Tensor:
+    """The route above: padded ``[B, S, H, D]`` in and out."""
+    rows = mask4.any(dim=-1, keepdim=True)  # [B|1, 1, Sq, 1]
+    keys = mask4.any(dim=-2, keepdim=True)  # [B|1, 1, 1, Sk]
+    keys = keys | ~keys.any(dim=-1, keepdim=True)  # an element keeping no key: all of them (its rows are 0)
+    poison = outer_check_op(mask4.ne(rows & keys).any(), _keys_reason(q.dtype, q.device.type, q.device.index))
+    out = execution.masked_sdpa(q, k, v, keys, opts) * rows.transpose(1, 2).to(q.dtype)
+    return out + poison.to(out.dtype)
+
+
+@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
+def _keys_reason(dtype, device_type: str, device_index) -> str:
+    device = torch.device(device_type, device_index)
+    kernel = costs.packed_kernel(device, dtype, 1, 1, 128, 128, priority(device))
+    return costs.kernel_crossover(device, dtype, kernel, "key_padding", costs.stock_kernel(device, dtype)).below.reason
+
+
+@torch.library.custom_op("varlen_attn::outer_check", mutates_args=(), tags=_NOT_CAPTURABLE)
+def outer_check_op(bad: Tensor, reason: str) -> Tensor:
+    """``bad`` (the mask is not the outer product its rows and keys make) as this thread's entry
+    checks it: kept for the forward's read, 0 returned; in a recomputation not read, NaN where
+    ``bad``; elsewhere read now, and raised. The call's route counted."""
+    _stats.record_route(reason, execution.SDPA)
+    top = execution.current()
+    checks = None if top is None else top.checks
+    if checks is not None and checks.flags is not None:
+        checks.flags.append(bad.clone())  # a copy: inductor may reuse the buffer of a graph's value
+        return bad.new_zeros((), dtype=torch.float32)
+    if checks is not None:
+        return torch.where(bad, float("nan"), 0.0).to(torch.float32)
+    _stats.record_host_sync()
+    if bad.item():
+        raise NotPackableError("an attention mask with rows is not the outer product of its rows and keys, in a "
+                               "compiled block called outside its model's forward")
+    return bad.new_zeros((), dtype=torch.float32)
+
+
+@outer_check_op.register_fake
+def _(bad, reason):
+    return bad.new_empty((), dtype=torch.float32)
 
 
 # An untraceable kernel with its own backward (NATIVE_BACKWARD: FA4) as an opaque op of the
