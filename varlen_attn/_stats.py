@@ -39,7 +39,9 @@ class quiet:
 
 
 def _muted() -> bool:
-    return bool(getattr(_local, "quiet", 0)) or torch.compiler.is_compiling()
+    # Compiling first: traced, the thread-local is not read, so no graph guards on it (a guard on
+    # its ``quiet`` recompiled compiled blocks after another model's op backward had set it).
+    return torch.compiler.is_compiling() or bool(getattr(_local, "quiet", 0))
 
 
 def record_backend(name: str) -> None:
