@@ -199,7 +199,7 @@ class Crossover:
 # costs stock's SDPA about what its keys' mask costs on the kernel that takes rows (memory-efficient,
 # H200 table: 3.58 against 3.38 ms a call at 1,536 tokens, 23.1 against 22.3 at 4,608); where
 # stock's kernel is cuDNN, auto's stock route for it is the keys' mask, then the rows
-# (hook._left_to_stock, execution.attend_outer, outer_in_op in compiled blocks); packed, it runs on
+# (hook._left_to_stock, execution.attend_outer, op._outer_as_keys in compiled blocks); packed, it runs on
 # the keys of its outer plan.
 # Routed to stock on the kernel that takes rows, a boolean such call goes as it came: the keys'
 # mask and rows there cost Chroma 512 px (1,325 tokens, cuDNN off) 722 ms a step against 663
