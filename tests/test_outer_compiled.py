@@ -93,6 +93,61 @@ def test_the_op_on_the_outer_plan_equals_masked_sdpa_on_every_route(backend, gqa
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("gqa", [False, True])
+@pytest.mark.parametrize("shape", ["batch", "broadcast", "sq_ne_sk"])
+def test_the_keys_route_in_the_graph_equals_masked_sdpa_and_flags_or_poisons_a_failed_check(shape, gqa, monkeypatch):
+    """An enabled model's compiled call whose keys' mask auto leaves to stock's cuDNN (it fails on
+    rows) runs in the graph (no call reaches the op's outer route): outputs and gradients equal
+    masked SDPA exactly, a dead element, a mask broadcast over the batch and Sq != Sk included; the
+    check kept for the forward's read (deferred: one flag, clear). A mask that is no outer product
+    of its rows and keys: deferred, its flag set; unread (a recomputation), output and gradients
+    NaN."""
+    from varlen_attn import costs
+
+    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "cudnn")
+    lay = {"tokens": [1, 256], "routes": {"sdpa:cudnn": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+    in_op = []
+    outer_in_op = execution.outer_in_op
+    monkeypatch.setattr(execution, "outer_in_op", lambda *a, **kw: in_op.append(1) or outer_in_op(*a, **kw))
+    keep_k = KEEP
+    keep_q = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool) if shape == "sq_ne_sk" else KEEP
+    mask = keep_q[:, None, :, None] & keep_k[:, None, None, :]
+    if shape == "broadcast":
+        mask = mask[:1]
+    q, k, v = _qkv(KEEP, gqa)
+    q = q[:, :, : keep_q.shape[1]]
+    policy = Policy("auto", model=True, in_graph=True)
+    f = torch.compile(lambda q, k, v, m: sdpa_with_policy(q, k, v, m, enable_gqa=gqa, policy=policy,
+                                                          checks=execution.current().checks),
+                      fullgraph=True, backend="aot_eager")
+    bad_mask = mask.clone()
+    bad_mask[..., 0] = True  # every query sees key 0: no outer product
+    try:
+        ref = _out_and_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa),
+                             q, k, v)
+        for mode in ("deferred", "unread"):
+            checks = _checks(mode, None)
+            got = _run(f, Entry(policy, checks=checks), q, k, v, mask)
+            for a, b in zip(got, ref):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"{mode}: {m}")
+            if mode == "deferred":
+                assert len(checks.flags) == 1 and not checks.flags[0], checks.flags
+            checks = _checks(mode, None)
+            qg = q.clone().requires_grad_()
+            with execution.active(Entry(policy, checks=checks)):
+                out = f(qg, k, v, bad_mask)
+            (dq,) = torch.autograd.grad(out.sum(), qg)
+            if mode == "deferred":
+                assert len(checks.flags) == 1 and checks.flags[0], checks.flags
+            else:
+                assert out.isnan().all() and dq.isnan().all(), "a failed unread check: NaN output and gradients"
+        assert not in_op
+    finally:
+        costs.use(None)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("backend", ["auto", "flash_attn_4"])
 def test_a_mask_that_is_no_product_of_the_models_mask_is_flagged_or_poisoned_in_the_op(backend, fake_flash,  # noqa: F811
                                                                                        monkeypatch):

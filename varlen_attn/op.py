@@ -679,8 +679,8 @@ def _outer_as_keys(q, k, v, mask4: Tensor, opts: Options) -> Tensor:
     keys = mask4.any(dim=-2, keepdim=True)  # [B|1, 1, 1, Sk]
     keys = keys | ~keys.any(dim=-1, keepdim=True)  # an element keeping no key: all of them (its rows are 0)
     poison = outer_check_op(mask4.ne(rows & keys).any(), _keys_reason(q.dtype, q.device.type, q.device.index))
-    out = execution.masked_sdpa(q, k, v, keys, opts) * rows.transpose(1, 2).to(q.dtype)
-    return out + poison.to(out.dtype)
+    # On the factor, not added to the output: a failed unread check makes the gradients NaN too.
+    return execution.masked_sdpa(q, k, v, keys, opts) * (rows.transpose(1, 2).to(q.dtype) + poison.to(q.dtype))
 
 
 @torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
@@ -706,7 +706,7 @@ def outer_check_op(bad: Tensor, reason: str) -> Tensor:
     _stats.record_host_sync()
     if bad.item():
         raise NotPackableError("an attention mask with rows is not the outer product of its rows and keys, in a "
-                               "compiled block called outside its model's forward")
+                               "compiled call with no checks of its model's forward to keep the flag")
     return bad.new_zeros((), dtype=torch.float32)
 
 
