@@ -92,24 +92,37 @@ def test_the_op_on_the_outer_plan_equals_masked_sdpa_on_every_route(backend, gqa
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"{mode}: {m}")
 
 
+@pytest.fixture
+def stock_cheaper(monkeypatch):
+    """``stock_cheaper(kernel)``: stock's SDPA runs on ``kernel`` here (as ``costs.stock_kernel``
+    says) and a CPU float64 key-padding table weighs it cheaper than packing at every length; the
+    table goes when the test ends. Returns the list of calls that reached the op's outer route."""
+    from varlen_attn import costs
+
+    def use(kernel: str) -> list:
+        monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel)
+        lay = {"tokens": [1, 256],
+               "routes": {f"sdpa:{kernel}": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+        costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+        in_op, outer_in_op = [], execution.outer_in_op
+        monkeypatch.setattr(execution, "outer_in_op", lambda *a, **kw: in_op.append(1) or outer_in_op(*a, **kw))
+        return in_op
+
+    yield use
+    costs.use(None)
+
+
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("gqa", [False, True])
 @pytest.mark.parametrize("shape", ["batch", "broadcast", "sq_ne_sk"])
-def test_the_keys_route_in_the_graph_equals_masked_sdpa_and_flags_or_poisons_a_failed_check(shape, gqa, monkeypatch):
+def test_the_keys_route_in_the_graph_equals_masked_sdpa_and_flags_or_poisons_a_failed_check(shape, gqa, stock_cheaper):
     """An enabled model's compiled call whose keys' mask auto leaves to stock's cuDNN (it fails on
     rows) runs in the graph (no call reaches the op's outer route): outputs and gradients equal
     masked SDPA exactly, a dead element, a mask broadcast over the batch and Sq != Sk included; the
     check kept for the forward's read (deferred: one flag, clear). A mask that is no outer product
     of its rows and keys: deferred, its flag set; unread (a recomputation), output and gradients
     NaN."""
-    from varlen_attn import costs
-
-    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "cudnn")
-    lay = {"tokens": [1, 256], "routes": {"sdpa:cudnn": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
-    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
-    in_op = []
-    outer_in_op = execution.outer_in_op
-    monkeypatch.setattr(execution, "outer_in_op", lambda *a, **kw: in_op.append(1) or outer_in_op(*a, **kw))
+    in_op = stock_cheaper("cudnn")
     keep_k = KEEP
     keep_q = torch.tensor([[1, 0, 1, 1], [0, 1, 1, 0], [1, 1, 1, 1]], dtype=torch.bool) if shape == "sq_ne_sk" else KEEP
     mask = keep_q[:, None, :, None] & keep_k[:, None, None, :]
@@ -123,28 +136,25 @@ def test_the_keys_route_in_the_graph_equals_masked_sdpa_and_flags_or_poisons_a_f
                       fullgraph=True, backend="aot_eager")
     bad_mask = mask.clone()
     bad_mask[..., 0] = True  # every query sees key 0: no outer product
-    try:
-        ref = _out_and_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa),
-                             q, k, v)
-        for mode in ("deferred", "unread"):
-            checks = _checks(mode, None)
-            got = _run(f, Entry(policy, checks=checks), q, k, v, mask)
-            for a, b in zip(got, ref):
-                torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"{mode}: {m}")
-            if mode == "deferred":
-                assert len(checks.flags) == 1 and not checks.flags[0], checks.flags
-            checks = _checks(mode, None)
-            qg = q.clone().requires_grad_()
-            with execution.active(Entry(policy, checks=checks)):
-                out = f(qg, k, v, bad_mask)
-            (dq,) = torch.autograd.grad(out.sum(), qg)
-            if mode == "deferred":
-                assert len(checks.flags) == 1 and checks.flags[0], checks.flags
-            else:
-                assert out.isnan().all() and dq.isnan().all(), "a failed unread check: NaN output and gradients"
-        assert not in_op
-    finally:
-        costs.use(None)
+    ref = _out_and_grads(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa),
+                         q, k, v)
+    for mode in ("deferred", "unread"):
+        checks = _checks(mode, None)
+        got = _run(f, Entry(policy, checks=checks), q, k, v, mask)
+        for a, b in zip(got, ref):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"{mode}: {m}")
+        if mode == "deferred":
+            assert len(checks.flags) == 1 and not checks.flags[0], checks.flags
+        checks = _checks(mode, None)
+        qg = q.clone().requires_grad_()
+        with execution.active(Entry(policy, checks=checks)):
+            out = f(qg, k, v, bad_mask)
+        (dq,) = torch.autograd.grad(out.sum(), qg)
+        if mode == "deferred":
+            assert len(checks.flags) == 1 and checks.flags[0], checks.flags
+        else:
+            assert out.isnan().all() and dq.isnan().all(), "a failed unread check: NaN output and gradients"
+    assert not in_op
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
@@ -427,18 +437,13 @@ def test_a_direct_functional_call_inside_a_compiled_block_is_read_in_its_call_as
 
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
-def test_compiled_blocks_leave_calls_to_stocks_cudnn_as_their_keys_mask_with_its_rows_scaled(monkeypatch, mask_dtype):
+def test_compiled_blocks_leave_calls_to_stocks_cudnn_as_their_keys_mask_with_its_rows_scaled(monkeypatch, stock_cheaper, mask_dtype):
     """Where stock's kernel is cuDNN's attention (it fails on masks with rows) and stock costs less
     than packing, a compiled block's call runs in the op as attend_outer runs it eagerly: stock's
     SDPA on the keys' mask of the model's, the rows scaled, its check read once a forward; equal to
     the stock model, outputs and gradients (the recomputation's too), no mask with rows reaching
     SDPA. Before, the op packed every such call, the dearer route."""
-    from varlen_attn import costs
-
-    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "cudnn")
-    lay = {"tokens": [16, 256],
-           "routes": {"sdpa:cudnn": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
-    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+    stock_cheaper("cudnn")
     seen = []
     sdpa = execution.TORCH_SDPA
 
@@ -448,30 +453,27 @@ def test_compiled_blocks_leave_calls_to_stocks_cudnn_as_their_keys_mask_with_its
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(execution, "TORCH_SDPA", spy)
-    try:
-        stock = tiny_chroma()
-        ref = step(stock, chroma_inputs())
-        enabled = va.enable_varlen(copy.deepcopy(stock))
-        enabled.enable_gradient_checkpointing()
-        for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
-            block.compile(fullgraph=True, backend="aot_eager")
-        for _ in range(2):  # the second step on the graphs the first traced
-            va.reset_stats()
-            seen.clear()
-            assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref,
-                               what="keys' mask on stock")
-            st_ = va.stats()
-            assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
-            assert st_["host_syncs"] == 1, st_
-            assert all("key_padding mask, stock on cudnn" in r for r in st_["routes"]), st_
-            assert seen and all(s is not None and s[-2] == 1 for s in seen), seen  # no rows reached SDPA
-    finally:
-        costs.use(None)
+    stock = tiny_chroma()
+    ref = step(stock, chroma_inputs())
+    enabled = va.enable_varlen(copy.deepcopy(stock))
+    enabled.enable_gradient_checkpointing()
+    for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
+        block.compile(fullgraph=True, backend="aot_eager")
+    for _ in range(2):  # the second step on the graphs the first traced
+        va.reset_stats()
+        seen.clear()
+        assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref,
+                           what="keys' mask on stock")
+        st_ = va.stats()
+        assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
+        assert st_["host_syncs"] == 1, st_
+        assert all("key_padding mask, stock on cudnn" in r for r in st_["routes"]), st_
+        assert seen and all(s is not None and s[-2] == 1 for s in seen), seen  # no rows reached SDPA
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_the_keys_route_in_the_graph_traces_once_and_redoes_a_failed_check_exactly(monkeypatch, checkpointing):
+def test_the_keys_route_in_the_graph_traces_once_and_redoes_a_failed_check_exactly(stock_cheaper, checkpointing):
     """The route above runs in the graph, not in the op (no call reaches the op's outer route): its
     check made there and read once a forward; the graphs traced once, also after this thread's
     stats were muted (by another model's op backward, say). A mask that is no outer
@@ -479,16 +481,10 @@ def test_the_keys_route_in_the_graph_traces_once_and_redoes_a_failed_check_exact
     calls then read in the op (dynamo retraces for a forward with no checks); strict raises."""
     from test_outer import corrupt_one_block
     from torch._dynamo.utils import counters
-    from varlen_attn import _stats, costs
+    from varlen_attn import _stats
     from varlen_attn._errors import NotPackableError
 
-    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "cudnn")
-    lay = {"tokens": [16, 256],
-           "routes": {"sdpa:cudnn": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
-    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
-    in_op = []
-    outer_in_op = execution.outer_in_op
-    monkeypatch.setattr(execution, "outer_in_op", lambda *a, **kw: in_op.append(1) or outer_in_op(*a, **kw))
+    in_op = stock_cheaper("cudnn")
 
     def enabled_copy(stock, **options):
         torch._dynamo.reset()  # a graph traced for another model's blocks would serve this one's
@@ -499,47 +495,39 @@ def test_the_keys_route_in_the_graph_traces_once_and_redoes_a_failed_check_exact
             block.compile(fullgraph=True, backend="aot_eager")
         return model
 
-    try:
-        stock = tiny_chroma()
-        enabled = enabled_copy(stock)
-        for i in range(3):
-            va.reset_stats()
-            assert_model_close(step(enabled, chroma_inputs()), step(stock, chroma_inputs()), what="keys in the graph")
-            st_ = va.stats()
-            assert st_["host_syncs"] == 1 and not st_["fallbacks"] and not in_op, (st_, in_op)
-            assert st_["backends"] == {"sdpa": CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)}, st_
-            if i == 0:
-                traced = counters["stats"]["unique_graphs"]
-                with _stats.quiet():  # as another model's op backward leaves this thread's stats
-                    pass
-        assert counters["stats"]["unique_graphs"] == traced  # no graph traced after the first step
+    stock = tiny_chroma()
+    enabled = enabled_copy(stock)
+    for i in range(3):
+        va.reset_stats()
+        assert_model_close(step(enabled, chroma_inputs()), step(stock, chroma_inputs()), what="keys in the graph")
+        st_ = va.stats()
+        assert st_["host_syncs"] == 1 and not st_["fallbacks"] and not in_op, (st_, in_op)
+        assert st_["backends"] == {"sdpa": CHROMA_ATTN_LAYERS * (2 if checkpointing else 1)}, st_
+        if i == 0:
+            traced = counters["stats"]["unique_graphs"]
+            with _stats.quiet():  # as another model's op backward leaves this thread's stats
+                pass
+    assert counters["stats"]["unique_graphs"] == traced  # no graph traced after the first step
 
-        corrupt_one_block(stock, every=True)
-        enabled = enabled_copy(stock)
-        for _ in range(2):
-            va.reset_stats()
-            assert_model_close(step(enabled, chroma_inputs()), step(stock, chroma_inputs()), what="no outer product")
-            st_ = va.stats()
-            assert any("not the outer product of the model's mask" in r for r in st_["fallbacks"]), st_
-            assert in_op, st_  # the forward run again: its calls in the op, each read there
-        with pytest.raises(NotPackableError, match="not the outer product of the model's mask"):
-            step(enabled_copy(stock, strict=True), chroma_inputs())
-    finally:
-        costs.use(None)
+    corrupt_one_block(stock, every=True)
+    enabled = enabled_copy(stock)
+    for _ in range(2):
+        va.reset_stats()
+        assert_model_close(step(enabled, chroma_inputs()), step(stock, chroma_inputs()), what="no outer product")
+        st_ = va.stats()
+        assert any("not the outer product of the model's mask" in r for r in st_["fallbacks"]), st_
+        assert in_op, st_  # the forward run again: its calls in the op, each read there
+    with pytest.raises(NotPackableError, match="not the outer product of the model's mask"):
+        step(enabled_copy(stock, strict=True), chroma_inputs())
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_compiled_blocks_with_symbolic_lengths_leave_calls_to_stock_as_they_came_in_the_op(monkeypatch):
+def test_compiled_blocks_with_symbolic_lengths_leave_calls_to_stock_as_they_came_in_the_op(monkeypatch, stock_cheaper):
     """Where stock's kernel takes rows and costs less than packing, but the graph cannot prove the
     call's lengths below the crossover (compiled with symbolic shapes), the op weighs the call at
     run time and sends it to stock's SDPA as it came: the mask with its rows, no check, no read,
     the route counted once a call; equal to the stock model, outputs and gradients."""
-    from varlen_attn import costs
-
-    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: "efficient")
-    lay = {"tokens": [16, 256],
-           "routes": {"sdpa:efficient": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
-    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+    stock_cheaper("efficient")
     seen = []
     sdpa = execution.TORCH_SDPA
 
@@ -549,22 +537,19 @@ def test_compiled_blocks_with_symbolic_lengths_leave_calls_to_stock_as_they_came
         return sdpa(*args, **kwargs)
 
     monkeypatch.setattr(execution, "TORCH_SDPA", spy)
-    try:
-        stock = tiny_chroma()
-        ref = step(stock, chroma_inputs())
-        enabled = va.enable_varlen(copy.deepcopy(stock))
-        enabled.enable_gradient_checkpointing()
-        for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
-            block.compile(fullgraph=True, dynamic=True, backend="aot_eager")
-        for _ in range(2):  # the second step on the graphs the first traced
-            va.reset_stats()
-            seen.clear()
-            assert_model_close(step(enabled, chroma_inputs()), ref, what="as it came, in the op")
-            st_ = va.stats()
-            assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
-            assert st_["host_syncs"] == 0 and st_["plan_builds"] == 0, st_
-            assert sum(st_["routes"].values()) == 2 * CHROMA_ATTN_LAYERS, st_
-            assert all("outer mask, stock on efficient" in r for r in st_["routes"]), st_
-            assert seen and all(s is not None and s[-2] > 1 for s in seen), seen  # the rows reached SDPA
-    finally:
-        costs.use(None)
+    stock = tiny_chroma()
+    ref = step(stock, chroma_inputs())
+    enabled = va.enable_varlen(copy.deepcopy(stock))
+    enabled.enable_gradient_checkpointing()
+    for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
+        block.compile(fullgraph=True, dynamic=True, backend="aot_eager")
+    for _ in range(2):  # the second step on the graphs the first traced
+        va.reset_stats()
+        seen.clear()
+        assert_model_close(step(enabled, chroma_inputs()), ref, what="as it came, in the op")
+        st_ = va.stats()
+        assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
+        assert st_["host_syncs"] == 0 and st_["plan_builds"] == 0, st_
+        assert sum(st_["routes"].values()) == 2 * CHROMA_ATTN_LAYERS, st_
+        assert all("outer mask, stock on efficient" in r for r in st_["routes"]), st_
+        assert seen and all(s is not None and s[-2] > 1 for s in seen), seen  # the rows reached SDPA
