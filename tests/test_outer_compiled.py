@@ -92,6 +92,30 @@ def test_the_op_on_the_outer_plan_equals_masked_sdpa_on_every_route(backend, gqa
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12, msg=lambda m: f"{mode}: {m}")
 
 
+def _enabled_compiled(stock, checkpointing: bool = True, dynamic=None, **options):
+    """An enabled copy of ``stock`` (``options``: enable_varlen's), checkpointed by diffusers,
+    every block compiled on its own (aot_eager, ``dynamic`` as ``torch.compile`` takes it)."""
+    model = va.enable_varlen(copy.deepcopy(stock), **options)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
+        block.compile(fullgraph=True, dynamic=dynamic, backend="aot_eager")
+    return model
+
+
+def _masks_seen(monkeypatch) -> list:
+    """The shapes of the masks that reach stock's SDPA from now on (None: no mask), as a list."""
+    seen, sdpa = [], execution.TORCH_SDPA
+
+    def spy(*args, **kwargs):
+        mask = kwargs.get("attn_mask")
+        seen.append(None if mask is None else tuple(mask.shape))
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(execution, "TORCH_SDPA", spy)
+    return seen
+
+
 @pytest.fixture
 def stock_cheaper(monkeypatch):
     """``stock_cheaper(kernel)``: stock's SDPA runs on ``kernel`` here (as ``costs.stock_kernel``
@@ -444,21 +468,10 @@ def test_compiled_blocks_leave_calls_to_stocks_cudnn_as_their_keys_mask_with_its
     the stock model, outputs and gradients (the recomputation's too), no mask with rows reaching
     SDPA. Before, the op packed every such call, the dearer route."""
     stock_cheaper("cudnn")
-    seen = []
-    sdpa = execution.TORCH_SDPA
-
-    def spy(*args, **kwargs):
-        mask = kwargs.get("attn_mask")
-        seen.append(None if mask is None else tuple(mask.shape))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(execution, "TORCH_SDPA", spy)
+    seen = _masks_seen(monkeypatch)
     stock = tiny_chroma()
     ref = step(stock, chroma_inputs())
-    enabled = va.enable_varlen(copy.deepcopy(stock))
-    enabled.enable_gradient_checkpointing()
-    for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
-        block.compile(fullgraph=True, backend="aot_eager")
+    enabled = _enabled_compiled(stock)
     for _ in range(2):  # the second step on the graphs the first traced
         va.reset_stats()
         seen.clear()
@@ -488,12 +501,7 @@ def test_the_keys_route_in_the_graph_traces_once_and_redoes_a_failed_check_exact
 
     def enabled_copy(stock, **options):
         torch._dynamo.reset()  # a graph traced for another model's blocks would serve this one's
-        model = va.enable_varlen(copy.deepcopy(stock), **options)
-        if checkpointing:
-            model.enable_gradient_checkpointing()
-        for block in [*model.transformer_blocks, *model.single_transformer_blocks]:
-            block.compile(fullgraph=True, backend="aot_eager")
-        return model
+        return _enabled_compiled(stock, checkpointing, **options)
 
     stock = tiny_chroma()
     enabled = enabled_copy(stock)
@@ -528,21 +536,10 @@ def test_compiled_blocks_with_symbolic_lengths_leave_calls_to_stock_as_they_came
     run time and sends it to stock's SDPA as it came: the mask with its rows, no check, no read,
     the route counted once a call; equal to the stock model, outputs and gradients."""
     stock_cheaper("efficient")
-    seen = []
-    sdpa = execution.TORCH_SDPA
-
-    def spy(*args, **kwargs):
-        mask = kwargs.get("attn_mask")
-        seen.append(None if mask is None else tuple(mask.shape))
-        return sdpa(*args, **kwargs)
-
-    monkeypatch.setattr(execution, "TORCH_SDPA", spy)
+    seen = _masks_seen(monkeypatch)
     stock = tiny_chroma()
     ref = step(stock, chroma_inputs())
-    enabled = va.enable_varlen(copy.deepcopy(stock))
-    enabled.enable_gradient_checkpointing()
-    for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
-        block.compile(fullgraph=True, dynamic=True, backend="aot_eager")
+    enabled = _enabled_compiled(stock, dynamic=True)
     for _ in range(2):  # the second step on the graphs the first traced
         va.reset_stats()
         seen.clear()

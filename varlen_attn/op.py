@@ -379,17 +379,24 @@ def _stock_by_cost(q, k, mask4, opts: Options, policy: Policy) -> bool:
     return statically_known_true(q.shape[1] * k.shape[1] < bound)
 
 
-@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
-def _cost_bound(dtype, device_type: str, device_index, layout: str, in_graph: bool, short_rows: bool) -> int:
-    """Sq x Sk below which such a call goes to stock (the crossover squared). The kernel is the
-    one auto would take for head dim 128 (in the graph's order for the in-graph route): heads
-    and head dims are not read, since dynamo may trace them as symbols too."""
+def _crossover(dtype, device_type: str, device_index, layout: str, in_graph: bool, short_rows: bool):
+    """The :class:`~varlen_attn.costs.Crossover` of such calls, or None without a cost table. The
+    kernel is the one auto would take for head dim 128 (in the graph's order for the in-graph
+    route): heads and head dims are not read, since dynamo may trace them as symbols too."""
     device = torch.device(device_type, device_index)
     if costs.table_for(device, dtype) is None:
-        return 0
+        return None
     order = in_graph_priority(device, short_rows) if in_graph else priority(device)
     kernel = costs.packed_kernel(device, dtype, 1, 1, 128, 128, order)
-    c = costs.kernel_crossover(device, dtype, kernel, layout, costs.stock_kernel(device, dtype))
+    return costs.kernel_crossover(device, dtype, kernel, layout, costs.stock_kernel(device, dtype))
+
+
+@torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
+def _cost_bound(dtype, device_type: str, device_index, layout: str, in_graph: bool, short_rows: bool) -> int:
+    """Sq x Sk below which such a call goes to stock: its :func:`_crossover` squared."""
+    c = _crossover(dtype, device_type, device_index, layout, in_graph, short_rows)
+    if c is None:
+        return 0
     return min(math.ceil(c.tokens * c.tokens), 1 << 62) if math.isfinite(c.tokens) else 1 << 62
 
 
@@ -685,9 +692,7 @@ def _outer_as_keys(q, k, v, mask4: Tensor, opts: Options) -> Tensor:
 
 @torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
 def _keys_reason(dtype, device_type: str, device_index) -> str:
-    device = torch.device(device_type, device_index)
-    kernel = costs.packed_kernel(device, dtype, 1, 1, 128, 128, priority(device))
-    return costs.kernel_crossover(device, dtype, kernel, "key_padding", costs.stock_kernel(device, dtype)).below.reason
+    return _crossover(dtype, device_type, device_index, "key_padding", False, False).below.reason
 
 
 @torch.library.custom_op("varlen_attn::outer_check", mutates_args=(), tags=_NOT_CAPTURABLE)
@@ -698,11 +703,8 @@ def outer_check_op(bad: Tensor, reason: str) -> Tensor:
     _stats.record_route(reason, execution.SDPA)
     top = execution.current()
     checks = None if top is None else top.checks
-    if checks is not None and checks.flags is not None:
-        checks.flags.append(bad.clone())  # a copy: inductor may reuse the buffer of a graph's value
-        return bad.new_zeros((), dtype=torch.float32)
-    if checks is not None:
-        return torch.where(bad, float("nan"), 0.0).to(torch.float32)
+    if checks is not None:  # a copy of ``bad``: inductor may reuse the buffer of a graph's value
+        return checks.checked(bad.new_zeros((), dtype=torch.float32), bad.clone())
     _stats.record_host_sync()
     if bad.item():
         raise NotPackableError("an attention mask with rows is not the outer product of its rows and keys, in a "
