@@ -19,7 +19,7 @@ from varlen_attn.functional import sdpa_with_policy
 from varlen_attn.policy import Policy
 
 from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
-from _testing import assert_model_close
+from _testing import assert_model_close, checkpoint_blocks
 
 
 @st.composite
@@ -227,6 +227,49 @@ def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeyp
         assert st_["host_syncs"] == (1 if as_keys or mask_dtype != torch.bool else 0), st_
         assert len(seen) == 2 * CHROMA_ATTN_LAYERS, seen
         assert all((s[-2] == 1) == as_keys and d == torch.bool for s, d in seen), seen
+    finally:
+        costs.use(None)
+
+
+@pytest.mark.parametrize("kernel", ["cudnn", "efficient"])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
+@pytest.mark.parametrize("checkpointing", ["diffusers, restore_checkpoint_mask=False", "caller", "caller, reentrant"])
+def test_chroma_recomputed_where_stock_is_cheaper_takes_its_forwards_route(monkeypatch, checkpointing, mask_dtype,
+                                                                           kernel):
+    """Where stock costs less than packing, the hook runs a Chroma call on the model's factors: on
+    cuDNN's attention as its keys' mask with the rows scaled, on a kernel that takes rows (a float
+    0/1 mask) as the model's boolean outer product. A recomputation in backward that has no model
+    mask (blocks the caller checkpoints, OneTrainer's way, or diffusers' checkpointing with
+    ``restore_checkpoint_mask=False``) takes the same route on the call's own factors: torch's
+    checkpoint finds the tensors the forward saved, and the step equals stock checkpointed the
+    same way. Before, the recomputation took the full path, which saves other tensors (a rows
+    factor of another layout, a float mask): CheckpointError (non-reentrant) in backward, or
+    (reentrant) a host read and a packed call for each."""
+    from varlen_attn import costs
+
+    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel)
+    lay = {"tokens": [16, 256], "routes": {f"sdpa:{kernel}": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+    try:
+        if checkpointing.startswith("caller"):
+            reentrant = checkpointing.endswith("reentrant")
+            stock = checkpoint_blocks(tiny_chroma(), reentrant)
+            enabled = va.enable_varlen(checkpoint_blocks(tiny_chroma(), reentrant))
+        else:
+            stock = tiny_chroma()
+            stock.enable_gradient_checkpointing()
+            enabled = va.enable_varlen(copy.deepcopy(stock), restore_checkpoint_mask=False)
+        calls = 2 * (CHROMA_ATTN_LAYERS if checkpointing.startswith("caller") else 2)  # diffusers: 2 double blocks masked
+        for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+            va.reset_stats()
+            got = step(enabled, chroma_inputs(lengths, seed=i, mask_dtype=mask_dtype))
+            assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{checkpointing} {lengths}")
+            st_ = va.stats()
+            assert st_["backends"] == {"sdpa": calls} and not st_["fallbacks"], st_
+            checked = kernel == "cudnn" or mask_dtype != torch.bool  # else stock takes the mask as it came
+            layout = "key_padding" if kernel == "cudnn" else "outer"
+            assert all(f"{layout} mask, stock on {kernel}" in r for r in st_["routes"]), st_
+            assert st_["host_syncs"] == checked and st_["plan_builds"] == 0, st_  # the forward's checks only
     finally:
         costs.use(None)
 

@@ -249,6 +249,16 @@ class Deferred:
             if flags is not None:  # not 0/1, or no 1 at all: not the keep-mask it is read as
                 flags.append(((keep != 0) & (keep != 1)).any() | (keep != 1).all())
 
+    @classmethod
+    def of_call(cls, mask4: torch.Tensor) -> Deferred:
+        """A recomputation's checks for one call where it has no model mask (:data:`UNREAD`): the
+        call's own rows (read as boolean) stand for it, so that the call takes the route its
+        forward took on the model's factors, and torch's checkpoint finds the tensors it saved."""
+        m = mask4[:, 0]
+        found = cls((m != 0).any(dim=-1))
+        found.float01 = m.is_floating_point()
+        return found
+
     def unread(self) -> Deferred:
         """The same factors, for the forward's recomputation: flags not read."""
         found = Deferred(None)

@@ -21,7 +21,7 @@ import threading
 import torch
 
 from . import _stats, costs
-from .execution import Entry, current, ensure_thread_state
+from .execution import UNREAD, Deferred, Entry, current, ensure_thread_state
 from .functional import sdpa_with_policy
 from .kernels import SDPA, TORCH_SDPA
 
@@ -48,8 +48,9 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     so that such a call costs a lookup over stock. Only where the mask reaches SDPA as stock reads
     it (bool, or float under ``float_mask="bias"``), or else in place of a mask of the shape of
     the outer product of the forward's model mask (bool, or float 0/1 where the model's is, read
-    as bool; :meth:`varlen_attn.execution.Deferred.factors`), its check kept for the forward's
-    read, as in :func:`varlen_attn.execution.attend_outer`: that boolean outer product, or where
+    as bool; :meth:`varlen_attn.execution.Deferred.factors`; recomputed in backward without it,
+    the call's own rows: :meth:`~varlen_attn.execution.Deferred.of_call`), its check kept for the
+    forward's read, as in :func:`varlen_attn.execution.attend_outer`: that boolean outer product, or where
     stock's kernel fails on rows (:func:`varlen_attn.costs.cudnn_rows_fail`) its keys' mask, the
     rows then scaled. Every other call takes the full path, which decides the same way."""
     policy = entry.policy
@@ -74,10 +75,11 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
         _stats.record_route(found.reason, SDPA)
         return _replaced[0](*args, **kwargs)
     checks = entry.checks
-    made = (checks.factors(mask, qs[0]) if checks is not None and layout == "outer"
-            and (checks.float01 if as_bool else mask.dtype == torch.bool)
-            and qs[2] == ks[2] == mask.shape[-1] else None)
-    if made is None:
+    if checks is None or layout != "outer" or not qs[2] == ks[2] == mask.shape[-1]:
+        return None
+    # In backward without the model's mask (a block the caller checkpoints), the call's own rows.
+    recomputed = checks is UNREAD
+    if not (checks.float01 or recomputed and policy.float_mask == "bool" if as_bool else mask.dtype == torch.bool):
         return None
     # Weighed as an outer mask and as its keys' mask, a call differs only where stock's kernel
     # fails on rows (both on costs.CURVES; costs.cudnn_rows_fail): there stock gets the keys' mask.
@@ -86,9 +88,16 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
         found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], "key_padding")
         if not found.stock:
             return None
+    if recomputed:
+        checks = Deferred.of_call(mask)
+    made = checks.factors(mask, qs[0])
+    if made is None:
+        return None
     _stats.record_route(found.reason, SDPA)
     outer, keys = made
     bad = mask.ne(outer).any()
+    if recomputed and as_bool:
+        bad = bad | (mask != 1).all()  # a float mask with no 1 is a bias (as the model's is checked)
     if n > 3:
         args = (*args[:3], keys if rows_fail else outer, *args[4:])
     else:
