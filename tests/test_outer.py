@@ -231,24 +231,28 @@ def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeyp
         costs.use(None)
 
 
+@pytest.mark.parametrize("cheaper", ["stock", "packed"])
 @pytest.mark.parametrize("kernel", ["cudnn", "efficient"])
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
 @pytest.mark.parametrize("checkpointing", ["diffusers, restore_checkpoint_mask=False", "caller", "caller, reentrant"])
-def test_chroma_recomputed_where_stock_is_cheaper_takes_its_forwards_route(monkeypatch, checkpointing, mask_dtype,
-                                                                           kernel):
-    """Where stock costs less than packing, the hook runs a Chroma call on the model's factors: on
-    cuDNN's attention as its keys' mask with the rows scaled, on a kernel that takes rows (a float
-    0/1 mask) as the model's boolean outer product. A recomputation in backward that has no model
-    mask (blocks the caller checkpoints, OneTrainer's way, or diffusers' checkpointing with
-    ``restore_checkpoint_mask=False``) takes the same route on the call's own factors: torch's
-    checkpoint finds the tensors the forward saved, and the step equals stock checkpointed the
-    same way. Before, the recomputation took the full path, which saves other tensors (a rows
-    factor of another layout, a float mask): CheckpointError (non-reentrant) in backward, or
-    (reentrant) a host read and a packed call for each."""
+def test_chroma_recomputed_without_its_models_mask_takes_its_forwards_route(monkeypatch, checkpointing, mask_dtype,
+                                                                            kernel, cheaper):
+    """A Chroma forward runs its calls on the model's mask's factors: where stock costs less, on
+    cuDNN's attention as the keys' mask with the rows scaled (a kernel that takes rows: a float 0/1
+    mask as the model's boolean outer product), else packed on the outer product's plan. A
+    recomputation in backward that has no model mask (blocks the caller checkpoints, OneTrainer's
+    way, or diffusers' checkpointing with ``restore_checkpoint_mask=False``) takes the same route
+    on the call's own rows: torch's checkpoint finds the tensors the forward saved, and the step
+    equals stock checkpointed the same way. Before, the recomputation of a call on cuDNN's
+    attention, or of a float mask, took another route, which saves other tensors (a rows factor
+    of another layout; a float mask's own plan): CheckpointError (non-reentrant) in backward, or
+    (reentrant) a host read and another kernel for each call."""
     from varlen_attn import costs
 
     monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel)
-    lay = {"tokens": [16, 256], "routes": {f"sdpa:{kernel}": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+    ratio = 1.0 if cheaper == "stock" else 4.0
+    lay = {"tokens": [16, 256], "routes": {f"sdpa:{kernel}": {"cost": [ratio, 10.0 * ratio]},
+                                           "split_sdpa": {"cost": [2.0, 20.0]}}}
     costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
     try:
         if checkpointing.startswith("caller"):
@@ -265,7 +269,11 @@ def test_chroma_recomputed_where_stock_is_cheaper_takes_its_forwards_route(monke
             got = step(enabled, chroma_inputs(lengths, seed=i, mask_dtype=mask_dtype))
             assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{checkpointing} {lengths}")
             st_ = va.stats()
-            assert st_["backends"] == {"sdpa": calls} and not st_["fallbacks"], st_
+            assert st_["backends"] == {"sdpa" if cheaper == "stock" else "split_sdpa": calls}, st_
+            assert not st_["fallbacks"], st_
+            if cheaper == "packed":  # one plan for the forward, one for each recomputed call
+                assert st_["host_syncs"] == 1 and st_["plan_builds"] == 1 + calls // 2, st_
+                continue
             checked = kernel == "cudnn" or mask_dtype != torch.bool  # else stock takes the mask as it came
             layout = "key_padding" if kernel == "cudnn" else "outer"
             assert all(f"{layout} mask, stock on {kernel}" in r for r in st_["routes"]), st_

@@ -250,13 +250,21 @@ class Deferred:
                 flags.append(((keep != 0) & (keep != 1)).any() | (keep != 1).all())
 
     @classmethod
-    def of_call(cls, mask4: torch.Tensor) -> Deferred:
-        """A recomputation's checks for one call where it has no model mask (:data:`UNREAD`): the
-        call's own rows (read as boolean) stand for it, so that the call takes the route its
-        forward took on the model's factors, and torch's checkpoint finds the tensors it saved."""
+    def of_call(cls, mask4: torch.Tensor, float01: bool) -> Deferred:
+        """:data:`UNREAD`'s checks for one call: a recomputation in backward has no model mask, so
+        the call's own rows stand for it, and the call takes the route its forward took on the
+        model's factors (torch's checkpoint finds the tensors the forward saved). ``float01``: a
+        float mask is read as boolean (``float_mask="bool"``); one with no 1 fails the check, as
+        the model's does. UNREAD itself for a mask of another shape or kind."""
+        floating = mask4.is_floating_point()
+        if mask4.dim() != 4 or mask4.shape[1] != 1 or not (mask4.dtype == torch.bool or floating and float01):
+            return UNREAD
         m = mask4[:, 0]
-        found = cls((m != 0).any(dim=-1))
-        found.float01 = m.is_floating_point()
+        keep = (m != 0).any(dim=-1)
+        if floating:
+            keep = keep | (m != 1).all()  # no 1: every row kept, so the mask is not their product
+        found = cls(keep)
+        found.float01 = floating
         return found
 
     def unread(self) -> Deferred:

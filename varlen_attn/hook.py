@@ -39,7 +39,16 @@ def _sdpa(*args, **kwargs):
     out = _left_to_stock(entry, args, kwargs, mask)
     if out is not None:
         return out
-    return sdpa_with_policy(*args, **kwargs, policy=entry.policy, checks=entry.checks)
+    return sdpa_with_policy(*args, **kwargs, policy=entry.policy, checks=_checks(entry, mask))
+
+
+def _checks(entry: Entry, mask):
+    """The entry's checks for a call of ``mask``: in a recomputation in backward without the
+    model's mask (:data:`~varlen_attn.execution.UNREAD`), the call's own rows stand for it
+    (:meth:`~varlen_attn.execution.Deferred.of_call`), so that it takes its forward's route."""
+    if entry.checks is UNREAD and isinstance(mask, torch.Tensor):
+        return Deferred.of_call(mask, entry.policy.float_mask == "bool")
+    return entry.checks
 
 
 def _left_to_stock(entry: Entry, args, kwargs, mask):
@@ -49,8 +58,7 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     it (bool, or float under ``float_mask="bias"``), or else in place of a mask of the shape of
     the outer product of the forward's model mask (bool, or float 0/1 where the model's is, read
     as bool; :meth:`varlen_attn.execution.Deferred.factors`; recomputed in backward without it,
-    the call's own rows: :meth:`~varlen_attn.execution.Deferred.of_call`), its check kept for the
-    forward's read, as in :func:`varlen_attn.execution.attend_outer`: that boolean outer product, or where
+    the call's own rows: :func:`_checks`), its check kept for the forward's read, as in :func:`varlen_attn.execution.attend_outer`: that boolean outer product, or where
     stock's kernel fails on rows (:func:`varlen_attn.costs.cudnn_rows_fail`) its keys' mask, the
     rows then scaled. Every other call takes the full path, which decides the same way."""
     policy = entry.policy
@@ -74,12 +82,7 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     if found.stock and not as_bool:
         _stats.record_route(found.reason, SDPA)
         return _replaced[0](*args, **kwargs)
-    checks = entry.checks
-    if checks is None or layout != "outer" or not qs[2] == ks[2] == mask.shape[-1]:
-        return None
-    # In backward without the model's mask (a block the caller checkpoints), the call's own rows.
-    recomputed = checks is UNREAD
-    if not (checks.float01 or recomputed and policy.float_mask == "bool" if as_bool else mask.dtype == torch.bool):
+    if entry.checks is None or layout != "outer" or not qs[2] == ks[2] == mask.shape[-1]:
         return None
     # Weighed as an outer mask and as its keys' mask, a call differs only where stock's kernel
     # fails on rows (both on costs.CURVES; costs.cudnn_rows_fail): there stock gets the keys' mask.
@@ -88,16 +91,13 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
         found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], "key_padding")
         if not found.stock:
             return None
-    if recomputed:
-        checks = Deferred.of_call(mask)
-    made = checks.factors(mask, qs[0])
+    checks = _checks(entry, mask)
+    made = checks.factors(mask, qs[0]) if (checks.float01 if as_bool else mask.dtype == torch.bool) else None
     if made is None:
         return None
     _stats.record_route(found.reason, SDPA)
     outer, keys = made
     bad = mask.ne(outer).any()
-    if recomputed and as_bool:
-        bad = bad | (mask != 1).all()  # a float mask with no 1 is a bias (as the model's is checked)
     if n > 3:
         args = (*args[:3], keys if rows_fail else outer, *args[4:])
     else:
