@@ -58,9 +58,10 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     it (bool, or float under ``float_mask="bias"``), or else in place of a mask of the shape of
     the outer product of the forward's model mask (bool, or float 0/1 where the model's is, read
     as bool; :meth:`varlen_attn.execution.Deferred.factors`; recomputed in backward without it,
-    the call's own rows: :func:`_checks`), its check kept for the forward's read, as in :func:`varlen_attn.execution.attend_outer`: that boolean outer product, or where
-    stock's kernel fails on rows (:func:`varlen_attn.costs.cudnn_rows_fail`) its keys' mask, the
-    rows then scaled. Every other call takes the full path, which decides the same way."""
+    the call's own rows: :func:`_checks`), its check kept for the forward's read, as in
+    :func:`varlen_attn.execution.attend_outer`: that boolean outer product, or where stock's
+    kernel fails on rows (:func:`varlen_attn.costs.cudnn_rows_fail`) its keys' mask, the rows
+    then scaled. Every other call takes the full path, which decides the same way."""
     policy = entry.policy
     if policy.backend != "auto" or not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling():
         return None
