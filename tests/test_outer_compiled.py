@@ -550,3 +550,24 @@ def test_compiled_blocks_with_symbolic_lengths_leave_calls_to_stock_as_they_came
         assert sum(st_["routes"].values()) == 2 * CHROMA_ATTN_LAYERS, st_
         assert all("outer mask, stock on efficient" in r for r in st_["routes"]), st_
         assert seen and all(s is not None and s[-2] > 1 for s in seen), seen  # the rows reached SDPA
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_the_keys_route_recomputed_in_a_compiled_blocks_checkpoint_reads_nothing(stock_cheaper):
+    """A block whose forward the caller checkpoints and then compiles (the checkpoint traced into
+    the graph, its recomputation in the compiled backward, where no entry is on the thread): the
+    keys' route's check in the recomputation is the forward's, not read again (one read a step,
+    the forward's), and the step equals stock checkpointed the same way. Before, each recomputed
+    call read its check (1 + one per block a step)."""
+    stock_cheaper("cudnn")
+    stock = checkpoint_blocks(tiny_chroma())
+    enabled = va.enable_varlen(checkpoint_blocks(tiny_chroma()))
+    for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
+        block.compile(fullgraph=True, backend="aot_eager")
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+        va.reset_stats()
+        got = step(enabled, chroma_inputs(lengths, seed=i))
+        assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
+        st_ = va.stats()
+        assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
+        assert st_["host_syncs"] == 1, st_
