@@ -56,3 +56,21 @@ def no_cost_table():
     varlen_attn.costs.use([])
     yield
     varlen_attn.costs.use(None)
+
+
+@pytest.fixture
+def cpu_costs(monkeypatch):
+    """``cpu_costs(kernel, stock_cheaper=True)``: stock's SDPA runs on ``kernel`` here (as
+    ``costs.stock_kernel`` says, e.g. ``"cudnn"`` as on an H100/H200) and a CPU float64
+    key-padding table weighs it cheaper than packing (``split_sdpa``) at every length, or dearer;
+    the table goes when the test ends."""
+    import varlen_attn.costs as costs
+
+    def use(kernel: str, stock_cheaper: bool = True) -> None:
+        monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel)
+        stock = [1.0, 10.0] if stock_cheaper else [4.0, 40.0]
+        lay = {"tokens": [1, 256], "routes": {f"sdpa:{kernel}": {"cost": stock}, "split_sdpa": {"cost": [2.0, 20.0]}}}
+        costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+
+    yield use
+    costs.use(None)

@@ -189,53 +189,47 @@ def test_a_call_checked_against_the_models_mask_runs_with_its_factors_or_flags_i
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
 @pytest.mark.parametrize("kernel", ["cudnn", "cpu"])
-def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeypatch, kernel, mask_dtype):
+def test_chroma_calls_left_to_stock_see_rows_only_where_stock_takes_them(monkeypatch, cpu_costs, kernel, mask_dtype):
     """Where stock costs less than packing: if stock's kernel cannot take the outer product itself
     (cuDNN's attention), the hook hands stock the model's keys' mask and scales the rows, its check
     kept for the forward's one read; where it can, a boolean call goes to stock as it came: no
     check, no read, the mask with its rows. ChromaPipeline's float 0/1 mask, read as boolean, is
     checked against the model's mask: on cuDNN it takes the keys' mask, elsewhere stock gets the
     boolean outer product of the model's mask in its place (as it came, stock would read a bias)."""
-    from varlen_attn import costs, hook
+    from varlen_attn import hook
 
-    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel)
-    lay = {"tokens": [16, 256], "routes": {f"sdpa:{kernel}": {"cost": [1.0, 10.0]},
-                                           "split_sdpa": {"cost": [2.0, 20.0]}}}
-    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+    cpu_costs(kernel)
     seen = []
-    try:
-        batch = chroma_inputs()
-        stock = tiny_chroma()
-        ref = step(stock, batch)
-        enabled = va.enable_varlen(copy.deepcopy(stock))
-        enabled.enable_gradient_checkpointing()
-        # Spied once installed: the first install in a process writes what it replaced into the list.
-        replaced = hook._replaced[0]
+    batch = chroma_inputs()
+    stock = tiny_chroma()
+    ref = step(stock, batch)
+    enabled = va.enable_varlen(copy.deepcopy(stock))
+    enabled.enable_gradient_checkpointing()
+    # Spied once installed: the first install in a process writes what it replaced into the list.
+    replaced = hook._replaced[0]
 
-        def spy(*a, **kw):
-            seen.append((tuple(kw["attn_mask"].shape), kw["attn_mask"].dtype))
-            return replaced(*a, **kw)
+    def spy(*a, **kw):
+        seen.append((tuple(kw["attn_mask"].shape), kw["attn_mask"].dtype))
+        return replaced(*a, **kw)
 
-        monkeypatch.setattr(hook, "_replaced", [spy])
-        va.reset_stats()
-        seen.clear()
-        assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref,
-                           what=f"stock, its kernel {kernel}")
-        st_ = va.stats()
-        as_keys = kernel == "cudnn"
-        assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS}, st_
-        assert st_["host_syncs"] == (1 if as_keys or mask_dtype != torch.bool else 0), st_
-        assert len(seen) == 2 * CHROMA_ATTN_LAYERS, seen
-        assert all((s[-2] == 1) == as_keys and d == torch.bool for s, d in seen), seen
-    finally:
-        costs.use(None)
+    monkeypatch.setattr(hook, "_replaced", [spy])
+    va.reset_stats()
+    seen.clear()
+    assert_model_close(step(enabled, chroma_inputs(mask_dtype=mask_dtype)), ref,
+                       what=f"stock, its kernel {kernel}")
+    st_ = va.stats()
+    as_keys = kernel == "cudnn"
+    assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS}, st_
+    assert st_["host_syncs"] == (1 if as_keys or mask_dtype != torch.bool else 0), st_
+    assert len(seen) == 2 * CHROMA_ATTN_LAYERS, seen
+    assert all((s[-2] == 1) == as_keys and d == torch.bool for s, d in seen), seen
 
 
 @pytest.mark.parametrize("cheaper", ["stock", "packed"])
 @pytest.mark.parametrize("kernel", ["cudnn", "efficient"])
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
 @pytest.mark.parametrize("checkpointing", ["diffusers, restore_checkpoint_mask=False", "caller", "caller, reentrant"])
-def test_chroma_recomputed_without_its_models_mask_takes_its_forwards_route(monkeypatch, checkpointing, mask_dtype,
+def test_chroma_recomputed_without_its_models_mask_takes_its_forwards_route(cpu_costs, checkpointing, mask_dtype,
                                                                             kernel, cheaper):
     """A Chroma forward runs its calls on the model's mask's factors: where stock costs less, on
     cuDNN's attention as the keys' mask with the rows scaled (a kernel that takes rows: a float 0/1
@@ -247,39 +241,30 @@ def test_chroma_recomputed_without_its_models_mask_takes_its_forwards_route(monk
     attention, or of a float mask, took another route, which saves other tensors (a rows factor
     of another layout; a float mask's own plan): CheckpointError (non-reentrant) in backward, or
     (reentrant) a host read and another kernel for each call."""
-    from varlen_attn import costs
-
-    monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel)
-    ratio = 1.0 if cheaper == "stock" else 4.0
-    lay = {"tokens": [16, 256], "routes": {f"sdpa:{kernel}": {"cost": [ratio, 10.0 * ratio]},
-                                           "split_sdpa": {"cost": [2.0, 20.0]}}}
-    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
-    try:
-        if checkpointing.startswith("caller"):
-            reentrant = checkpointing.endswith("reentrant")
-            stock = checkpoint_blocks(tiny_chroma(), reentrant)
-            enabled = va.enable_varlen(checkpoint_blocks(tiny_chroma(), reentrant))
-        else:
-            stock = tiny_chroma()
-            stock.enable_gradient_checkpointing()
-            enabled = va.enable_varlen(copy.deepcopy(stock), restore_checkpoint_mask=False)
-        calls = 2 * (CHROMA_ATTN_LAYERS if checkpointing.startswith("caller") else 2)  # diffusers: 2 double blocks masked
-        for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
-            va.reset_stats()
-            got = step(enabled, chroma_inputs(lengths, seed=i, mask_dtype=mask_dtype))
-            assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{checkpointing} {lengths}")
-            st_ = va.stats()
-            assert st_["backends"] == {"sdpa" if cheaper == "stock" else "split_sdpa": calls}, st_
-            assert not st_["fallbacks"], st_
-            if cheaper == "packed":  # one plan for the forward, one for each recomputed call
-                assert st_["host_syncs"] == 1 and st_["plan_builds"] == 1 + calls // 2, st_
-                continue
-            checked = kernel == "cudnn" or mask_dtype != torch.bool  # else stock takes the mask as it came
-            layout = "key_padding" if kernel == "cudnn" else "outer"
-            assert all(f"{layout} mask, stock on {kernel}" in r for r in st_["routes"]), st_
-            assert st_["host_syncs"] == checked and st_["plan_builds"] == 0, st_  # the forward's checks only
-    finally:
-        costs.use(None)
+    cpu_costs(kernel, stock_cheaper=cheaper == "stock")
+    if checkpointing.startswith("caller"):
+        reentrant = checkpointing.endswith("reentrant")
+        stock = checkpoint_blocks(tiny_chroma(), reentrant)
+        enabled = va.enable_varlen(checkpoint_blocks(tiny_chroma(), reentrant))
+    else:
+        stock = tiny_chroma()
+        stock.enable_gradient_checkpointing()
+        enabled = va.enable_varlen(copy.deepcopy(stock), restore_checkpoint_mask=False)
+    calls = 2 * (CHROMA_ATTN_LAYERS if checkpointing.startswith("caller") else 2)  # diffusers: 2 double blocks masked
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+        va.reset_stats()
+        got = step(enabled, chroma_inputs(lengths, seed=i, mask_dtype=mask_dtype))
+        assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{checkpointing} {lengths}")
+        st_ = va.stats()
+        assert st_["backends"] == {"sdpa" if cheaper == "stock" else "split_sdpa": calls}, st_
+        assert not st_["fallbacks"], st_
+        if cheaper == "packed":  # one plan for the forward, one for each recomputed call
+            assert st_["host_syncs"] == 1 and st_["plan_builds"] == 1 + calls // 2, st_
+            continue
+        checked = kernel == "cudnn" or mask_dtype != torch.bool  # else stock takes the mask as it came
+        layout = "key_padding" if kernel == "cudnn" else "outer"
+        assert all(f"{layout} mask, stock on {kernel}" in r for r in st_["routes"]), st_
+        assert st_["host_syncs"] == checked and st_["plan_builds"] == 0, st_  # the forward's checks only
 
 
 def test_chroma_with_the_pipelines_float_mask_reads_once_per_forward():

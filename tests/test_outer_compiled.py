@@ -117,23 +117,18 @@ def _masks_seen(monkeypatch) -> list:
 
 
 @pytest.fixture
-def stock_cheaper(monkeypatch):
-    """``stock_cheaper(kernel)``: stock's SDPA runs on ``kernel`` here (as ``costs.stock_kernel``
-    says) and a CPU float64 key-padding table weighs it cheaper than packing at every length; the
-    table goes when the test ends. Returns the list of calls that reached the op's outer route."""
-    from varlen_attn import costs
+def stock_cheaper(monkeypatch, cpu_costs):
+    """``stock_cheaper(kernel)``: ``cpu_costs(kernel)`` (conftest: stock on ``kernel``, weighed
+    cheaper than packing at every length). Returns the list of calls that reached the op's outer
+    route."""
 
     def use(kernel: str) -> list:
-        monkeypatch.setattr(costs, "stock_kernel", lambda device, dtype: kernel)
-        lay = {"tokens": [1, 256],
-               "routes": {f"sdpa:{kernel}": {"cost": [1.0, 10.0]}, "split_sdpa": {"cost": [2.0, 20.0]}}}
-        costs.use([{"gpu": "cpu", "capability": None, "dtype": "float64", "layouts": {"key_padding": lay}}])
+        cpu_costs(kernel)
         in_op, outer_in_op = [], execution.outer_in_op
         monkeypatch.setattr(execution, "outer_in_op", lambda *a, **kw: in_op.append(1) or outer_in_op(*a, **kw))
         return in_op
 
-    yield use
-    costs.use(None)
+    return use
 
 
 @pytest.mark.usefixtures("fresh_dynamo")

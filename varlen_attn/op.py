@@ -25,6 +25,7 @@ from . import _stats, costs, execution
 from ._errors import BackendUnavailableError, InputValueError, KernelRefusedError, NotPackableError, VarlenAttnError
 from .execution import Options
 from .kernels import BACKENDS, VarlenInputs, in_graph_priority, priority, rows_are_short, select
+from .masks import outer_factors
 from .pack import gather_rows
 from .plan import (STATIC_PROBLEMS, VarlenPlan, is_key_padding, key_padding_side, plan_of_token,
                    read_float01_as_bool, refuse_nan_inf, static_plan_of, static_plan_tensors_of, unpackable_reason)
@@ -682,12 +683,11 @@ def _outer_keys_to_stock(q, k, mask4: Tensor, opts: Options, policy: Policy) -> 
 
 def _outer_as_keys(q, k, v, mask4: Tensor, opts: Options) -> Tensor:
     """The route above: padded ``[B, S, H, D]`` in and out."""
-    rows = mask4.any(dim=-1, keepdim=True)  # [B|1, 1, Sq, 1]
-    keys = mask4.any(dim=-2, keepdim=True)  # [B|1, 1, 1, Sk]
-    keys = keys | ~keys.any(dim=-1, keepdim=True)  # an element keeping no key: all of them (its rows are 0)
-    poison = outer_check_op(mask4.ne(rows & keys).any(), _keys_reason(q.dtype, q.device.type, q.device.index))
+    keep_q, keep_k, bad = outer_factors(mask4)
+    poison = outer_check_op(bad, _keys_reason(q.dtype, q.device.type, q.device.index))
     # On the factor, not added to the output: a failed unread check makes the gradients NaN too.
-    return execution.masked_sdpa(q, k, v, keys, opts) * (rows.transpose(1, 2).to(q.dtype) + poison.to(q.dtype))
+    rows = keep_q[:, :, None, None].to(q.dtype)
+    return execution.masked_sdpa(q, k, v, keep_k[:, None, None, :], opts) * (rows + poison.to(q.dtype))
 
 
 @torch._dynamo.assume_constant_result  # run once while tracing; the graph holds its answer
