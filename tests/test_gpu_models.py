@@ -172,6 +172,42 @@ def test_chroma_blocks_checkpointed_by_the_caller(compiled):
         torch.compiler.reset()
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float32])
+@pytest.mark.parametrize("compiled", [None, True])
+def test_chroma_checkpointed_by_the_caller_on_pytorchs_default_kernels(compiled, mask_dtype):
+    """PyTorch's default kernel choice (cuDNN's attention on an H100/H200) and the packaged cost
+    table: the caller's checkpoint recomputes each block without the model's mask, and each such
+    call takes its forward's route (stock's SDPA on the keys' mask at these lengths, where a
+    table applies), so backward raises no CheckpointError and each step equals the float64
+    reference within 2x stock's bf16 error (stock with cuDNN off: on cuDNN it fails on Chroma's
+    mask, docs/versions.md), with one read a step. ChromaPipeline's float 0/1 mask is read as
+    boolean (``float_mask="bool"``), as stock cannot (it reads a bias): its baseline is the bool mask."""
+    va.costs.use(None)  # the packaged table, over the module's no_cost_table
+    table = va.costs.table_for(torch.device("cuda"), torch.bfloat16) is not None
+    model = va.enable_varlen(checkpoint_blocks(tiny_chroma(dtype=torch.bfloat16, device="cuda"), False, compiled,
+                                               compiler="inductor"), float_mask="bool")
+    stock = checkpoint_blocks(tiny_chroma(dtype=torch.bfloat16, device="cuda"), False,
+                              None if compiled is None else False)
+    reference = checkpoint_blocks(tiny_chroma(), False, None if compiled is None else False)
+    try:
+        for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+            ref = step(reference, chroma_inputs(lengths, seed=i))
+            inputs = chroma_inputs(lengths, seed=i, dtype=torch.bfloat16, device="cuda")
+            torch.backends.cuda.enable_cudnn_sdp(False)
+            baseline = own_names(step(stock, inputs))
+            torch.backends.cuda.enable_cudnn_sdp(True)
+            va.reset_stats()
+            ours = own_names(step(model, {**inputs, "attention_mask": inputs["attention_mask"].to(mask_dtype)}))
+            st = va.stats()
+            assert st["host_syncs"] == 1 and st["fallbacks"] == {}, (lengths, st)
+            if table and compiled is None:  # compiled, the route runs in the graph, uncounted
+                assert set(st["backends"]) == {"sdpa"}, (lengths, st)
+            assert_model_close(ours, ref, baseline=baseline, what=f"{lengths}")
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.compiler.reset()
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
 def test_chroma_under_save_on_cpu_runs_and_equals_the_reference(checkpointing):
     """Activation offloading (``torch.autograd.graph.save_on_cpu(pin_memory=True)``: every saved
