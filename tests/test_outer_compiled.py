@@ -361,6 +361,26 @@ def test_compiled_blocks_checkpointed_by_the_caller_with_a_float_mask(use_reentr
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
+def test_compiled_blocks_checkpointed_by_the_caller_on_cudnn_recompute_their_forwards_route(stock_cheaper, mask_dtype):
+    """The caller's checkpoint around compiled blocks where stock's kernel is cuDNN's attention
+    and stock costs less: the recomputation (no model mask on the thread: UNREAD) takes the route
+    its forward took, stock's SDPA on the keys' mask of the call's own rows, unread; one read a
+    step, no plan, equal to stock checkpointed the same way. Before, the recomputed calls of the
+    pipeline's float 0/1 mask were each read and packed (H200, tests/test_gpu_models.py)."""
+    stock_cheaper("cudnn")
+    stock = checkpoint_blocks(tiny_chroma(), False, False)
+    model = va.enable_varlen(checkpoint_blocks(tiny_chroma(), False, True))
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+        va.reset_stats()
+        assert_model_close(step(model, chroma_inputs(lengths, seed=i, mask_dtype=mask_dtype)),
+                           step(stock, chroma_inputs(lengths, seed=i)), what=f"{mask_dtype} {lengths}")
+        st_ = va.stats()
+        assert st_["host_syncs"] == 1 and st_["plan_builds"] == 0 and not st_["fallbacks"], st_
+        assert all("key_padding mask, stock on cudnn" in r for r in st_["routes"]), st_
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 def test_two_models_on_one_thread_each_check_their_own_forward():
     """Two enabled Chromas with compiled blocks (other weights, checkpointing), a forward of
     each, then one backward: each forward's checks are its own (the second's float mask is no

@@ -319,6 +319,15 @@ class Deferred:
 UNREAD = Deferred()  # a recomputation's checks, without the model's mask: each call's own factors
 
 
+def call_checks(checks, mask, policy: Policy):
+    """An entry's ``checks`` for a call of ``mask``: in a recomputation in backward without the
+    model's mask (:data:`UNREAD`), the call's own rows stand for it (:meth:`Deferred.of_call`), so
+    that it takes its forward's route (the hook's calls and the op's, eagerly and compiled)."""
+    if checks is UNREAD and isinstance(mask, torch.Tensor):
+        return Deferred.of_call(mask, policy.float_mask == "bool")
+    return checks
+
+
 def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None) -> torch.Tensor:
     """A :func:`factorable` call as the key-padding call it is when its mask is an outer product
     ``keep_q x keep_k`` (:func:`~varlen_attn.masks.outer_factors`, or the model's mask's factors,
@@ -397,7 +406,7 @@ def outer_in_op(q, k, v, mask4, opts: Options, policy):
     (:func:`plan_and_route` then); where auto leaves it to stock as it came, that route:
     ``(None, route, mask4, None)``."""
     top = current()
-    checks = None if top is None or not policy.model else top.checks
+    checks = None if top is None or not policy.model else call_checks(top.checks, mask4, policy)
     if checks is None or not factorable(mask4, opts, policy, checks, q.shape[0]):
         return None
     decision = cost_decision(q, k, v, mask4, opts, policy)

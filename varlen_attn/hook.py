@@ -21,7 +21,7 @@ import threading
 import torch
 
 from . import _stats, costs
-from .execution import UNREAD, Deferred, Entry, current, ensure_thread_state
+from .execution import Entry, call_checks, current, ensure_thread_state
 from .functional import sdpa_with_policy
 from .kernels import SDPA, TORCH_SDPA
 
@@ -39,16 +39,7 @@ def _sdpa(*args, **kwargs):
     out = _left_to_stock(entry, args, kwargs, mask)
     if out is not None:
         return out
-    return sdpa_with_policy(*args, **kwargs, policy=entry.policy, checks=_checks(entry, mask))
-
-
-def _checks(entry: Entry, mask):
-    """The entry's checks for a call of ``mask``: in a recomputation in backward without the
-    model's mask (:data:`~varlen_attn.execution.UNREAD`), the call's own rows stand for it
-    (:meth:`~varlen_attn.execution.Deferred.of_call`), so that it takes its forward's route."""
-    if entry.checks is UNREAD and isinstance(mask, torch.Tensor):
-        return Deferred.of_call(mask, entry.policy.float_mask == "bool")
-    return entry.checks
+    return sdpa_with_policy(*args, **kwargs, policy=entry.policy, checks=call_checks(entry.checks, mask, entry.policy))
 
 
 def _left_to_stock(entry: Entry, args, kwargs, mask):
@@ -58,10 +49,10 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
     it (bool, or float under ``float_mask="bias"``), or else in place of a mask of the shape of
     the outer product of the forward's model mask (bool, or float 0/1 where the model's is, read
     as bool; :meth:`varlen_attn.execution.Deferred.factors`; recomputed in backward without it,
-    the call's own rows: :func:`_checks`), its check kept for the forward's read, as in
-    :func:`varlen_attn.execution.attend_outer`: that boolean outer product, or where stock's
-    kernel fails on rows (:func:`varlen_attn.costs.cudnn_rows_fail`) its keys' mask, the rows
-    then scaled. Every other call takes the full path, which decides the same way."""
+    the call's own rows: :func:`~varlen_attn.execution.call_checks`), its check kept for the
+    forward's read, as in :func:`varlen_attn.execution.attend_outer`: that boolean outer product,
+    or where stock's kernel fails on rows (:func:`varlen_attn.costs.cudnn_rows_fail`) its keys'
+    mask, the rows then scaled. Every other call takes the full path, which decides the same way."""
     policy = entry.policy
     if policy.backend != "auto" or not isinstance(mask, torch.Tensor) or torch.compiler.is_compiling():
         return None
@@ -92,7 +83,7 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
         found = costs.decide(q.device, q.dtype, qs[1], ks[1], qs[3], vs[3], qs[2], ks[2], "key_padding")
         if not found.stock:
             return None
-    checks = _checks(entry, mask)
+    checks = call_checks(entry.checks, mask, policy)
     made = checks.factors(mask, qs[0]) if (checks.float01 if as_bool else mask.dtype == torch.bool) else None
     if made is None:
         return None
