@@ -39,7 +39,8 @@ def _sdpa(*args, **kwargs):
     out = _left_to_stock(entry, args, kwargs, mask)
     if out is not None:
         return out
-    return sdpa_with_policy(*args, **kwargs, policy=entry.policy, checks=call_checks(entry.checks, mask, entry.policy))
+    checks = call_checks(entry.checks, mask, entry.policy)
+    return sdpa_with_policy(*args, **kwargs, policy=entry.policy, checks=checks)
 
 
 def _left_to_stock(entry: Entry, args, kwargs, mask):
