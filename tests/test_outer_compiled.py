@@ -568,21 +568,27 @@ def test_compiled_blocks_with_symbolic_lengths_leave_calls_to_stock_as_they_came
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
-def test_the_keys_route_recomputed_in_a_compiled_blocks_checkpoint_reads_nothing(stock_cheaper):
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.float64])
+@pytest.mark.parametrize("cheaper", ["stock", "packed"])
+def test_a_compiled_blocks_traced_checkpoint_recomputes_its_forwards_route_and_reads_nothing(cpu_costs, cheaper,
+                                                                                            mask_dtype):
     """A block whose forward the caller checkpoints and then compiles (the checkpoint traced into
-    the graph, its recomputation in the compiled backward, where no entry is on the thread): the
-    keys' route's check in the recomputation is the forward's, not read again (one read a step,
-    the forward's), and the step equals stock checkpointed the same way. Before, each recomputed
-    call read its check (1 + one per block a step)."""
-    stock_cheaper("cudnn")
+    the graph, its recomputation in the compiled backward, where no entry is on the thread), where
+    stock's kernel is cuDNN's attention: the recomputation takes its forward's route, unread (one
+    read a step, the forward's), stock's SDPA on the keys' mask in the graph or packed in the op
+    on the outer product's plan (the pipeline's float 0/1 mask too), and the step equals stock
+    checkpointed the same way. Before, each recomputed call read its check or its plan (1 + one
+    per block a step), and a float mask's packed where its forward left it to stock."""
+    cpu_costs("cudnn", stock_cheaper=cheaper == "stock")
     stock = checkpoint_blocks(tiny_chroma())
     enabled = va.enable_varlen(checkpoint_blocks(tiny_chroma()))
     for block in [*enabled.transformer_blocks, *enabled.single_transformer_blocks]:
         block.compile(fullgraph=True, backend="aot_eager")
     for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
         va.reset_stats()
-        got = step(enabled, chroma_inputs(lengths, seed=i))
+        got = step(enabled, chroma_inputs(lengths, seed=i, mask_dtype=mask_dtype))
         assert_model_close(got, step(stock, chroma_inputs(lengths, seed=i)), what=f"{lengths}")
         st_ = va.stats()
-        assert st_["backends"] == {"sdpa": 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
+        backend = "sdpa" if cheaper == "stock" else "split_sdpa"
+        assert st_["backends"] == {backend: 2 * CHROMA_ATTN_LAYERS} and not st_["fallbacks"], st_
         assert st_["host_syncs"] == 1, st_

@@ -395,18 +395,25 @@ def _keys_route(q, k, v, keys, plan_of, rows_of, opts: Options, policy):
     return found
 
 
-def outer_in_op(q, k, v, mask4, opts: Options, policy):
+def outer_in_op(q, k, v, mask4, opts: Options, policy, deferred: bool = False):
     """A compiled graph's call (:mod:`varlen_attn.op`) as :func:`attend_outer` runs it, with no
     read: packed on the plan of the outer product, or on stock's SDPA with its keys' mask and its
     rows scaled (:func:`stock_route`), its check kept as this thread's entry says
     (:class:`Deferred`). ``(plan, route, keys, checked)``, ``checked(out)`` the output with its
-    check; None where the entry reads each call (no checks), the call is not the model's own
+    check (``deferred``: traced in a forward that collects its checks, so that its recomputation
+    in backward with no entry on the thread is unread, :data:`UNREAD`); None where the entry reads
+    each call (no checks), the call is not the model's own
     (``policy.model``: the hook's; a call of the functional API in the graph is read in its call,
     as eagerly, where no checks reach it), not :func:`factorable`, or no backend runs the plan
     (:func:`plan_and_route` then); where auto leaves it to stock as it came, that route:
     ``(None, route, mask4, None)``."""
     top = current()
-    checks = None if top is None or not policy.model else call_checks(top.checks, mask4, policy)
+    checks = None if top is None else top.checks
+    if checks is None and deferred and torch._C._current_autograd_node() is not None:
+        # Recomputed in backward with no entry (a checkpoint traced into the compiled block): the
+        # op was traced in a forward that deferred its checks, which that forward read.
+        checks = UNREAD
+    checks = call_checks(checks, mask4, policy) if policy.model else None
     if checks is None or not factorable(mask4, opts, policy, checks, q.shape[0]):
         return None
     decision = cost_decision(q, k, v, mask4, opts, policy)

@@ -169,14 +169,15 @@ _NOT_CAPTURABLE = (torch._C.Tag.cudagraph_unsafe,) if hasattr(torch._C.Tag, "cud
 @torch.library.custom_op(f"varlen_attn::attention{_CONTRACT}", mutates_args=(), tags=_NOT_CAPTURABLE)
 def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token: Optional[Tensor],
                  scale: Optional[float], causal: bool, gqa: bool, backend: str, strict: bool, convention: str,
-                 float_mask: str, model: bool, training: bool) -> tuple[Tensor, Tensor, Tensor]:
+                 float_mask: str, model: bool, training: bool,
+                 deferred: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Padded ``[B, S, H, D]`` q, k, v -> ``(out [B, Sq, Hq, Dv], lse [Hq, B*Sq] float32,
     handle)``; lse holds the kernel's values in its first ``total_q`` columns on fused routes and
     zeros elsewhere. ``training``: traced where a backward may follow (its entry may be kept for
-    one)."""
+    one). ``deferred``: traced in a forward that collects its checks (:func:`attention`)."""
     with torch._C.DisableTorchFunction():  # a TorchFunctionMode around the graph must not see our own calls
         plan, r, mask4, opts, checked = _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict,
-                                                       convention, float_mask, model)
+                                                       convention, float_mask, model, deferred)
         # After a refusal the route is chosen again, not the plan (no second read, no second count).
         r, (out, lse_buf) = execution.rerouted(
             backend, r, lambda: _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model),
@@ -199,7 +200,8 @@ def _op_forward(q, k, v, plan, r, mask4, opts):
     return out, q.new_zeros((h, b * sq), dtype=torch.float32)
 
 
-def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model):
+def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model,
+                   deferred):
     """``(plan, route, mask4, options, checked)`` of a call of the op: ``checked`` None, or where the
     mask may be the outer product of the model's, its check (:func:`~varlen_attn.execution.outer_in_op`:
     the plan of the product, ``mask4`` its keys')."""
@@ -209,7 +211,7 @@ def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, co
     if token is not None and plan is None:
         raise InputValueError("the plan passed to attention was freed before the compiled call ran")
     mask4 = execution.mask4_of(mask, q, k, convention)
-    found = execution.outer_in_op(q, k, v, mask4, opts, policy) if token is None else None
+    found = execution.outer_in_op(q, k, v, mask4, opts, policy, deferred) if token is None else None
     if found is not None:
         plan, r, keys, checked = found
         return plan, r, keys, opts, checked
@@ -223,7 +225,8 @@ def _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model):
 
 
 @attention_op.register_fake
-def _(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model, training):
+def _(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model, training,
+      deferred=False):
     if q.device.type == "cuda" and _cuda_graphs_requested():
         raise BackendUnavailableError(
             "CUDA graphs (torch.compile mode='reduce-overhead') were requested, but varlen_attn did not "
@@ -361,7 +364,7 @@ def attention(q, k, v, mask: Tensor | None, *, plan: VarlenPlan | None, conventi
     out, _, _ = attention_op(q, k, v, mask, None if plan is None else plan.token,
                              None if opts.scale is None else float(opts.scale), bool(opts.causal),
                              bool(opts.gqa), policy.backend, policy.strict, convention, policy.float_mask,
-                             policy.model, training)
+                             policy.model, training, deferred)
     return out
 
 
