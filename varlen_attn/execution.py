@@ -328,6 +328,18 @@ def call_checks(checks, mask, policy: Policy):
     return checks
 
 
+def op_checks(deferred: bool):
+    """The checks of a compiled graph's call (:mod:`varlen_attn.op`): this thread's entry's; in a
+    recomputation in backward with no entry on the thread (a checkpoint traced into the compiled
+    block) of a graph traced in a forward that collected its checks (``deferred``), that forward's,
+    which it read: :data:`UNREAD`."""
+    top = current()
+    checks = None if top is None else top.checks
+    if checks is None and deferred and torch._C._current_autograd_node() is not None:
+        return UNREAD
+    return checks
+
+
 def attend_outer(q, k, v, mask4, opts: Options, policy, checks: Deferred | None) -> torch.Tensor:
     """A :func:`factorable` call as the key-padding call it is when its mask is an outer product
     ``keep_q x keep_k`` (:func:`~varlen_attn.masks.outer_factors`, or the model's mask's factors,
@@ -407,13 +419,7 @@ def outer_in_op(q, k, v, mask4, opts: Options, policy, deferred: bool = False):
     as eagerly, where no checks reach it), not :func:`factorable`, or no backend runs the plan
     (:func:`plan_and_route` then); where auto leaves it to stock as it came, that route:
     ``(None, route, mask4, None)``."""
-    top = current()
-    checks = None if top is None else top.checks
-    if checks is None and deferred and torch._C._current_autograd_node() is not None:
-        # Recomputed in backward with no entry (a checkpoint traced into the compiled block): the
-        # op was traced in a forward that deferred its checks, which that forward read.
-        checks = UNREAD
-    checks = call_checks(checks, mask4, policy) if policy.model else None
+    checks = call_checks(op_checks(deferred), mask4, policy) if policy.model else None
     if checks is None or not factorable(mask4, opts, policy, checks, q.shape[0]):
         return None
     decision = cost_decision(q, k, v, mask4, opts, policy)

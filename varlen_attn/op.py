@@ -704,12 +704,7 @@ def outer_check_op(bad: Tensor, reason: str) -> Tensor:
     checks it: kept for the forward's read, 0 returned; in a recomputation not read, NaN where
     ``bad``; elsewhere read now, and raised. The call's route counted."""
     _stats.record_route(reason, execution.SDPA)
-    top = execution.current()
-    checks = None if top is None else top.checks
-    if checks is None and torch._C._current_autograd_node() is not None:
-        # Recomputed in backward with no entry (a checkpoint traced into the compiled block): only
-        # graphs traced with a forward's checks hold this op, so it is that forward's, which read them.
-        checks = execution.UNREAD
+    checks = execution.op_checks(True)  # only graphs traced with a forward's checks hold this op
     if checks is not None:  # a copy of ``bad``: inductor may reuse the buffer of a graph's value
         return checks.checked(bad.new_zeros((), dtype=torch.float32), bad.clone())
     _stats.record_host_sync()
