@@ -931,6 +931,39 @@ def test_a_whole_model_compiled_around_compiled_blocks_plans_each_attention_call
     assert not counters["graph_break"], dict(counters["graph_break"])
 
 
+@pytest.mark.parametrize("compiled", ["LoRA projections", "attention modules"])
+def test_modules_compiled_in_or_as_attention_modules_under_the_callers_checkpoint(compiled):
+    """LoRA (peft) on the q/k/v projections, and the caller checkpoints every block, so the
+    recomputation runs outside the model's forward, routed by the attention modules' hooks.
+    Compiled: the LoRA projections (below a diffusers attention module: no SDPA call and no hook
+    of ours inside, so they get no boundary and need none), or the attention modules themselves
+    (each gets its boundary, which routes its recomputation). Every call, forward and
+    recomputation, takes the packed route, and each step equals eager stock's."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from varlen_attn.model import _Boundary
+    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+    from _testing import checkpoint_blocks
+
+    torch.manual_seed(0)
+    stock = inject_adapter_in_model(LoraConfig(r=2, target_modules=["to_q", "to_k", "to_v"], init_lora_weights=False),
+                                    checkpoint_blocks(tiny_chroma(), compiled=None))
+    model = va.enable_varlen(copy.deepcopy(stock), backend="split_sdpa")
+    attention = [m for m in model.modules() if hasattr(m, "processor")]
+    modules = attention if compiled == "attention modules" else [p for a in attention for p in (a.to_q, a.to_k, a.to_v)]
+    for module in modules:
+        module.compile(fullgraph=True, backend="aot_eager")
+    for i, lengths in enumerate([(5, 2, 0), (7, 1, 3)]):
+        inputs = chroma_inputs(lengths, seed=i)
+        va.reset_stats()
+        got = step(model, inputs)
+        st = va.stats()
+        assert st["backends"] == {"split_sdpa": 2 * CHROMA_ATTN_LAYERS} and not st["fallbacks"], st
+        assert_model_close(got, step(stock, inputs), what=f"{lengths}")
+    bounded = [isinstance(m.__dict__["_compiled_call_impl"], _Boundary) for m in modules]
+    assert all(bounded) if compiled == "attention modules" else not any(bounded), bounded
+
+
 class _TwoMasks(torch.nn.Module):
     """Two attention layers whose masks the forward makes from ``lengths``, not from its mask
     input: of one shape, different values (the second also depends on an activation), so the

@@ -329,18 +329,22 @@ class _Boundary:
 
 
 def _install_compiled(model: torch.nn.Module, state: _State) -> None:
-    """Give every compiled submodule of ``model`` its :class:`_Boundary`, once."""
+    """Give every compiled submodule of ``model`` its :class:`_Boundary`, once; not below a
+    diffusers attention module, whose processor calls SDPA itself: a module compiled in there
+    (a projection, a norm) holds no SDPA call and no hook of ours, so it needs none."""
     stack = list(model.__dict__.get("_modules", {}).values())
     pop, extend = stack.pop, stack.extend
-    # By hand, not model.modules(): it runs at every forward, over 7000 modules in a full-depth
-    # Qwen-Image with LoRA (a third of modules()'s time; 0.7 ms there, benchmarks/NOTES.md).
+    # By hand, not model.modules(): it runs at every forward. Full-depth Qwen-Image with LoRA r=16
+    # has 7,097 modules, most of them peft's below the attention modules: walking them all took
+    # 4.4 of the 6.2 ms its 60-layer forward spent over stock's on the CPU; without them, 0.8 of
+    # 2.3 (benchmarks/forward_host_time.py, NOTES.md entry 64).
     while stack:
         module = pop()
         if module is None:
             continue
         attrs = module.__dict__
         children = attrs.get("_modules")
-        if children:
+        if children and not ("processor" in attrs and "_varlen_owner" in attrs):
             extend(children.values())
         if isinstance(module, _OptimizedModule):
             name = "forward"
