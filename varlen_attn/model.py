@@ -344,7 +344,7 @@ def _install_compiled(model: torch.nn.Module, state: _State) -> None:
             continue
         attrs = module.__dict__
         children = attrs.get("_modules")
-        if children and not ("processor" in attrs and "_varlen_owner" in attrs):
+        if children and not ("_varlen_owner" in attrs and attrs.get("processor") is not None):
             extend(children.values())
         if isinstance(module, _OptimizedModule):
             name = "forward"
