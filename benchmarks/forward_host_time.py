@@ -1,12 +1,13 @@
 """Host time of a model's forward on the CPU, stock against enable_varlen (not a test).
 
-    python benchmarks/forward_host_time.py                 # 60-layer toy Qwen-Image, 150 rounds
+    python benchmarks/forward_host_time.py                 # 60-layer Qwen-Image with LoRA, 150 rounds
     python benchmarks/forward_host_time.py --layers 20 --rounds 50
 
 At 512 px a training step is bound by the host (docs/performance.md), so every microsecond of
 Python that enable_varlen adds to a forward is a microsecond of the step. This measures it where
-nothing else differs: diffusers' Qwen-Image at full depth (60 layers) and toy widths, its text
-mask padded, no gradient, one thread, with a cost table that leaves every masked call to stock's
+nothing else differs: diffusers' Qwen-Image at full depth (60 layers) and ``train_step.py``'s CPU
+widths, with its LoRA (r=16 on the attention projections), its text mask padded, no gradient,
+one thread, with a cost table that leaves every masked call to stock's
 SDPA on cuDNN (as on an H100/H200 at 512 px) and ``trim_text=False`` (the same tensors as stock).
 Variants take turns, one forward each per round; the thread's CPU time per forward, its 10th
 percentile and median over rounds (the CPU is shared: the low percentile is the steadier).
@@ -33,32 +34,31 @@ def main():
     p.add_argument("--lora", type=int, default=16, help="LoRA rank on the attention projections, as a trainer's (0: none)")
     args = p.parse_args()
     torch.set_num_threads(1)
-    from diffusers import QwenImageTransformer2DModel
+    from types import SimpleNamespace
 
     import varlen_attn as va
+    from train_step import LORA_TARGETS, add_lora, build_model
     from varlen_attn import costs, hook, model as vm
 
     costs.stock_kernel = lambda device, dtype: "cudnn"  # stock's kernel on an H100/H200
     row = {"tokens": [1, 1 << 20], "routes": {"sdpa:cudnn": {"cost": [1, 1]}, "split_sdpa": {"cost": [2, 2]}}}
     costs.use([{"gpu": "cpu", "capability": None, "dtype": "float32", "layouts": {"key_padding": row}}])
+    cpu = torch.device("cpu")
 
-    def make():
-        torch.manual_seed(0)
-        m = QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=args.layers,
-                                        attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                        axes_dims_rope=(2, 2, 4))
+    def make():  # train_step.py's CPU widths at the depth asked for, its LoRA on the attention projections
+        m, cfg = build_model(SimpleNamespace(model="qwen", layers=args.layers, double=None, single=None), cpu,
+                             torch.float32)
         if args.lora:  # peft's modules (about 7 per adapted projection) are most of a trainer's module tree
-            from peft import LoraConfig, inject_adapter_in_model
-
-            targets = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out"]
-            inject_adapter_in_model(LoraConfig(r=args.lora, lora_alpha=args.lora, target_modules=targets), m)
-        return m.eval()
+            add_lora(m, args.lora)
+        return m.eval(), cfg
 
     b, t, side = 3, 16, 4
     keep = torch.arange(t)[None] < torch.tensor([7, 16, 2])[:, None]
-    inputs = dict(hidden_states=torch.randn(b, side * side, 16), encoder_hidden_states=torch.randn(b, t, 16),
-                  timestep=torch.rand(b), img_shapes=[[(1, side, side)]] * b, return_dict=False)
-    stock, ours = make(), va.enable_varlen(make(), trim_text=False)
+    (stock, cfg), (ours, _) = make(), make()
+    ours = va.enable_varlen(ours, trim_text=False)
+    inputs = dict(hidden_states=torch.randn(b, side * side, cfg["in_channels"]),
+                  encoder_hidden_states=torch.randn(b, t, cfg["joint_dim"]), timestep=torch.rand(b),
+                  img_shapes=[[(1, side, side)]] * b, return_dict=False)
     attention = [m for m in ours.modules() if "_varlen_owner" in m.__dict__]
     walk, route = vm._install_compiled, hook._left_to_stock
 
@@ -83,7 +83,8 @@ def main():
                     times[name].append((time.thread_time() - start) * 1e3)
     use("enable_varlen")
     base = sorted(times["stock"])[len(times["stock"]) // 10]
-    print(f"torch {torch.__version__}, 1 thread, Qwen-Image {args.layers} layers at toy widths, LoRA r={args.lora}, "
+    print(f"torch {torch.__version__}, 1 thread, Qwen-Image {args.layers} layers at train_step.py's CPU widths, "
+          f"LoRA r={args.lora} on {len(LORA_TARGETS)} projections a block, "
           f"{sum(1 for _ in ours.modules())} modules, {len(attention)} attention calls a forward; "
           f"ms per forward over {args.rounds} rounds")
     for name, ts in times.items():

@@ -86,8 +86,8 @@ def _left_to_stock(entry: Entry, args, kwargs, mask):
             return None
     checks = call_checks(entry.checks, mask, policy)
     made = checks.factors(mask, qs[0]) if (checks.float01 if as_bool else mask.dtype == torch.bool) else None
-    if made is None:
-        return None
+    if made is None:  # the full path, with the checks made here (a recomputation's: not made twice)
+        return sdpa_with_policy(*args, **kwargs, policy=policy, checks=checks)
     _stats.record_route(found.reason, SDPA)
     outer, keys = made
     bad = mask.ne(outer).any()

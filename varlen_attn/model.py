@@ -336,8 +336,8 @@ def _install_compiled(model: torch.nn.Module, state: _State) -> None:
     pop, extend = stack.pop, stack.extend
     # By hand, not model.modules(): it runs at every forward. Full-depth Qwen-Image with LoRA r=16
     # has 7,097 modules, most of them peft's below the attention modules: walking them all took
-    # 4.4 of the 6.2 ms its 60-layer forward spent over stock's on the CPU; without them, 0.8 of
-    # 2.3 (benchmarks/forward_host_time.py, NOTES.md entry 64).
+    # 4.6 of the 6.2 ms its 60-layer forward spent over stock's on the CPU; without them, 1.1 of
+    # 3.0 (benchmarks/forward_host_time.py, NOTES.md entry 64).
     while stack:
         module = pop()
         if module is None:
