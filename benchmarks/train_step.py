@@ -165,6 +165,10 @@ def parse_args() -> argparse.Namespace:
                     help="with --timeline: record Python functions too (self time per function; slower)")
     ap.add_argument("--trace-dir", default=None,
                     help="with --timeline: keep each variant's profiled step there (Chrome trace, gzipped)")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="N",
+                    help="after the rounds, N more steps per variant under cProfile (the main thread: the forward, "
+                         "the loss, the optimizer): its Python self time per source file and the top functions, "
+                         "to tell where a variant's host time over stock's goes")
     ap.add_argument("--timeline", action="store_true",
                     help="after the rounds, one more step per variant under torch.profiler (CPU and CUDA): launch "
                          "lag per thread, GPU busy per slice of the step, host waits (benchmarks/_common.py, timeline_summary)")
@@ -522,6 +526,37 @@ def gpu_busy(v: Variant, batch: Batch, dev: torch.device) -> dict:
             "gpu_events": len(spans), "top_gpu_ms": [(k[:90], round(ms, 2), n) for k, ms, n in top]}
 
 
+def cprofile_steps(v: Variant, batch: Batch, dev: torch.device, steps: int) -> dict:
+    """``steps`` steps of ``v`` with the main thread under cProfile: ms a step of self time per
+    source file (torch's and diffusers' grouped by package, varlen_attn's by module) and the 12
+    functions with the most self time. cProfile's own cost inflates Python-heavy code; compare
+    variants with each other, not with the timed steps."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    total = 0.0
+    for _ in range(steps):
+        C.sync(dev)
+        t0 = time.thread_time()
+        prof.enable()
+        v.step(batch)
+        prof.disable()
+        total += (time.thread_time() - t0) * 1e3 / steps
+    files: dict[str, float] = {}
+    funcs = []
+    for (path, lineno, fn), (_, _, self_s, _, _) in pstats.Stats(prof).stats.items():
+        parts = path.replace("\\", "/").split("/")
+        group = next((parts[i] + ("/" + parts[i + 1] if parts[i] == "varlen_attn" else "")
+                      for i in range(len(parts) - 1) if parts[i] in ("torch", "diffusers", "peft", "varlen_attn")),
+                     parts[-1] if path != "~" else fn.split(" ")[0][:40])
+        files[group] = files.get(group, 0.0) + self_s * 1e3 / steps
+        funcs.append((self_s * 1e3 / steps, f"{parts[-1]}:{lineno}({fn})"[:80]))
+    return {"main_thread_ms": round(total, 1),
+            "self_ms_by_file": {k: round(ms, 2) for k, ms in sorted(files.items(), key=lambda x: -x[1])[:16]},
+            "top_functions_ms": [(f, round(ms, 2)) for ms, f in sorted(funcs, reverse=True)[:12]]}
+
+
 def is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower()
 
@@ -794,6 +829,11 @@ def main():
             except Exception as e:  # a profiler that cannot run here costs the column, not the run
                 print(f"  --gpu-busy {v.name}: {type(e).__name__}: {e}")
 
+    profiles = {}
+    if args.cprofile:
+        for v in (v for v in live if v.error is None):
+            profiles[v.name] = cprofile_steps(v, batch, dev, args.cprofile)
+
     lines = {}
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
@@ -823,6 +863,7 @@ def main():
         r["warmup_stats"] = getattr(v, "warmup_stats", None)
         r["gpu_busy"] = busy.get(v.name)
         r["timeline"] = lines.get(v.name)
+        r["cprofile"] = profiles.get(v.name)
         if stock is not None and v.first and stock.first and v is not stock:
             r["max_abs_diff_vs_stock"] = (v.first["output"] - stock.first["output"]).abs().max().item()
         results[v.name] = r
@@ -837,6 +878,9 @@ def main():
         print("one more step per variant under torch.profiler (benchmarks/_common.py, timeline_summary):")
         for name, summary_ in lines.items():
             print(C.timeline_text(name, summary_))
+    for name, pr in profiles.items():
+        print(f"  --cprofile {name}: main thread {pr['main_thread_ms']} ms a step under cProfile; self ms by file "
+              f"{pr['self_ms_by_file']}; top {pr['top_functions_ms'][:8]}")
     if compiled:
         from torch._dynamo.utils import counters
 
