@@ -217,6 +217,36 @@ def test_stock_kernel_follows_pytorchs_rule_off_the_gpu():
     assert costs.layout_of((20,)) == "key_padding"
 
 
+@pytest.mark.parametrize("capability, cudnn, env, dtype, expected", [
+    ((9, 0), 91900, None, torch.bfloat16, "cudnn"),
+    ((10, 0), 90900, "1", torch.float16, "cudnn"),
+    ((9, 0), 91900, "0", torch.bfloat16, "efficient"),  # TORCH_CUDNN_SDPA_PREFERRED=0
+    ((9, 0), 90800, None, torch.bfloat16, "efficient"),  # cuDNN older than 9.9
+    ((8, 0), 91900, None, torch.bfloat16, "efficient"),  # an A100
+    ((12, 0), 91900, None, torch.bfloat16, "efficient"),  # an RTX 50
+    ((9, 0), 91900, None, torch.float32, "efficient"),
+])
+def test_stock_kernel_follows_pytorchs_rule_on_a_gpu(monkeypatch, capability, cudnn, env, dtype, expected):
+    """PyTorch's choice for a masked call (torch 2.11's sdp_utils.cpp), the GPU's facts faked (the
+    variable and cuDNN's version are read once per device, so the cache is cleared around it)."""
+    monkeypatch.setattr(costs, "_capability", lambda device: capability)
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: cudnn)
+    if env is None:
+        monkeypatch.delenv("TORCH_CUDNN_SDPA_PREFERRED", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_CUDNN_SDPA_PREFERRED", env)
+    costs._cudnn_first.cache_clear()
+    gpu = torch.device("cuda", 0)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        assert costs.stock_kernel(gpu, dtype) == expected
+        torch.backends.cuda.enable_cudnn_sdp(False)  # the switch a program flips: read at every call
+        assert costs.stock_kernel(gpu, dtype) == "efficient"
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
+        costs._cudnn_first.cache_clear()
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 def test_a_mask_with_rows_is_never_left_to_cudnn(use_table, monkeypatch, fresh_dynamo, compiled):
     """Where stock's kernel is cuDNN's attention, no mask with rows reaches it (costs.cudnn_rows_fail:

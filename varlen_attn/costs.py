@@ -41,18 +41,28 @@ class Decision:
 
 def stock_kernel(device: torch.device, dtype: torch.dtype) -> str:
     """The kernel PyTorch's SDPA takes for a masked call on ``device`` (its own rule, torch
-    2.11: cuDNN's attention first on compute capability 9.0 and 10.0 with cuDNN >= 9.9 unless
-    ``TORCH_CUDNN_SDPA_PREFERRED=0``; a mask keeps flash out; then memory-efficient, then math):
-    ``"cudnn"``, ``"efficient"``, ``"math"`` or ``"cpu"``."""
+    2.11: cuDNN's attention first where :func:`_cudnn_first`; a mask keeps flash out; then
+    memory-efficient, then math): ``"cudnn"``, ``"efficient"``, ``"math"`` or ``"cpu"``. Runs at
+    every masked call auto routes: only the switches a program may flip are read here."""
     if device.type != "cuda":
         return device.type
     b = torch.backends.cuda
-    if (dtype in (torch.float16, torch.bfloat16) and b.cudnn_sdp_enabled()
-            and os.environ.get("TORCH_CUDNN_SDPA_PREFERRED", "1") != "0"
-            and (torch.backends.cudnn.version() or 0) >= 90900
-            and _capability(device) in ((9, 0), (10, 0))):
+    if dtype in (torch.float16, torch.bfloat16) and b.cudnn_sdp_enabled() and _cudnn_first(device):
         return "cudnn"
     return "efficient" if b.mem_efficient_sdp_enabled() else "math"
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_first(device: torch.device) -> bool:
+    """Whether PyTorch puts cuDNN's attention first on ``device``: compute capability 9.0 or 10.0,
+    cuDNN >= 9.9, and ``TORCH_CUDNN_SDPA_PREFERRED`` not 0. torch reads that variable once per
+    process (``check_prefer_cudnn_attention``, a static in sdp_utils.cpp), and so does this. Read
+    at every call with cuDNN's version, they cost 3.8 us a call on the development CPU (0.8 us for
+    ``stock_kernel`` now), the variable alone 0.9 ms of a 512 px step's main thread under cProfile
+    on an H200 (benchmarks/NOTES.md entry 65)."""
+    return (os.environ.get("TORCH_CUDNN_SDPA_PREFERRED", "1") != "0"
+            and (torch.backends.cudnn.version() or 0) >= 90900
+            and _capability(device) in ((9, 0), (10, 0)))
 
 
 @functools.lru_cache(maxsize=None)
