@@ -603,7 +603,7 @@ def test_compiled_blocks_under_hooks_that_copy_saved_tensors_equal_stock(checkpo
     """enable_varlen with every block compiled (inductor), under hooks that copy every saved tensor
     (offloading): the step equals stock's under the same hooks, and each attention call's backward
     takes its forward's plan (no attention backward plans again)."""
-    from _models import CHROMA_ATTN_LAYERS, chroma_inputs, step, tiny_chroma
+    from _models import chroma_inputs, step, tiny_chroma
 
     # Stock without checkpointing: diffusers' checkpointed Chroma drops the mask in its single blocks.
     stock, model = tiny_chroma(), va.enable_varlen(tiny_chroma())

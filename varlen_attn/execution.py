@@ -28,8 +28,8 @@ from .kernels import BACKENDS, SDPA, TORCH_SDPA, Backend, VarlenInputs, select
 from .kernels._base import empty_output, refusals
 from .masks import canonical_mask, outer_factors
 from .pack import gather_packed, pack_qkv, scatter_packed, unpack
-from .plan import VarlenPlan, outer_plan, read_float01_as_bool
-from .policy import Policy, resolve_plan
+from .plan import VarlenPlan, call_plan, full_plan, outer_plan, read_float01_as_bool
+from .policy import Policy, float_mask_read_as_bool, mask_info
 
 
 @dataclass(frozen=True)
@@ -156,8 +156,10 @@ def zero_dead(x: torch.Tensor, plan: VarlenPlan, fused: Backend | None = None) -
 
 
 def plan_and_route(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | None = None):
-    """``(plan, route)`` of one call: :func:`~varlen_attn.policy.resolve_plan` (the caller's
-    ``plan``, else one from the call's own mask), then :func:`route`. A static plan that the
+    """``(plan, route)`` of one call: its plan (the caller's ``plan``; without a mask None, plain
+    SDPA where :attr:`Policy.unmasked_is_sdpa`, else the all-valid plan; else the plan of the
+    call's own mask, :func:`~varlen_attn.plan.call_plan`, nothing looked up by a mask's identity
+    or history), then :func:`route`. A static plan that the
     backend to run cannot take is built with its lengths on the host: at once for an explicit
     backend (``split_sdpa`` on a GPU: a fact of the backend), and under auto where no installed
     backend takes it (built again, routed once more)."""
@@ -168,8 +170,17 @@ def plan_and_route(q, k, v, mask4, opts: Options, policy, plan: VarlenPlan | Non
             return None, stock_route(mask4, policy)
 
     def resolved(host=False):
-        return resolve_plan(mask4, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1], device=q.device,
-                            policy=policy, plan=plan, host=host)
+        if plan is not None:
+            return plan
+        b, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        if mask4 is None:
+            return None if policy.unmasked_is_sdpa else full_plan(b, sq, sk, q.device)
+        # A float 0/1 mask is read as boolean unless float_mask="bias" (warned once; "error" raises).
+        found = call_plan(mask4, batch=b, seqlen_q=sq, seqlen_k=sk, float01_as_bool=policy.float_mask != "bias",
+                          host=host)
+        if found.read_as_bool:
+            float_mask_read_as_bool(policy.float_mask, mask_info(mask4.dtype, mask4.shape))
+        return found
 
     named = BACKENDS.get(policy.backend)
     found = resolved(host=named is not None and not named.runs_static(q.device.type))

@@ -6,13 +6,14 @@
   masks read batch first (``[B, Sk]`` is key padding), and a prebuilt plan may be passed.
 
 Both validate their inputs, then :func:`dispatch`: the one place where the eager and the
-traced (``torch.compile``) paths part. Eager: the plan (:func:`varlen_attn.policy.resolve_plan`)
--> route and run (:mod:`varlen_attn.execution`). Traced: the custom op (:mod:`varlen_attn.op`),
-which does the same at run time.
+traced (``torch.compile``) paths part. Eager: the plan and the route, then run
+(:mod:`varlen_attn.execution`). Traced: the custom op (:mod:`varlen_attn.op`), which does the
+same at run time.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -21,7 +22,7 @@ from . import execution, op
 from ._errors import BackendUnavailableError, InputTypeError, InputValueError, as_real, check_bool, describe
 from .execution import Options
 from .kernels import TORCH_SDPA
-from .plan import VarlenPlan, read_float01_as_bool
+from .plan import VarlenPlan
 from .policy import Policy
 
 
@@ -41,18 +42,9 @@ def _autocast(query, key, value, attn_mask):
                  else t for t in (query, key, value, attn_mask))
 
 
-def _check_mask_dtype(attn_mask, query) -> None:
-    """SDPA's rule for a float mask: float32 or the query's dtype (it refuses a float64 mask with
-    float32 queries, or a bfloat16 one with float16 queries), checked where SDPA checks it."""
-    if (isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point()
-            and attn_mask.dtype not in (torch.float32, query.dtype)):
-        raise InputTypeError(
-            f"attn_mask must be bool, float32 or the query's dtype ({query.dtype}), as for "
-            f"F.scaled_dot_product_attention, got dtype {attn_mask.dtype}")
-
-
-def _check_qkv(query, key, value, enable_gqa: bool, layout: str):
-    """Validate and return ``(B, Sq, Sk, Hq, Hkv)``; ``layout`` is ``"bhsd"`` or ``"bshd"``."""
+def _check_qkv(query, key, value, enable_gqa: bool, layout: str, attn_mask=None, plan=None):
+    """Validate the inputs as SDPA does, in its order, and return ``(B, Sq, Sk)``; ``layout`` is
+    ``"bhsd"`` or ``"bshd"``."""
     dims = "[B, H, S, D]" if layout == "bhsd" else "[B, S, H, D]"
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor):
@@ -90,7 +82,21 @@ def _check_qkv(query, key, value, enable_gqa: bool, layout: str):
             f"query has {hq} heads and key/value {hk}: they must be equal, or enable_gqa=True "
             f"with query heads a multiple of key heads"
         )
-    return b, sq, sk, hq, hk
+    # SDPA's rule for a float mask: float32 or the query's dtype (it refuses a float64 mask with
+    # float32 queries, or a bfloat16 one with float16 queries).
+    if (isinstance(attn_mask, torch.Tensor) and attn_mask.is_floating_point()
+            and attn_mask.dtype not in (torch.float32, query.dtype)):
+        raise InputTypeError(
+            f"attn_mask must be bool, float32 or the query's dtype ({query.dtype}), as for "
+            f"F.scaled_dot_product_attention, got dtype {attn_mask.dtype}")
+    if plan is not None and not isinstance(plan, VarlenPlan):
+        raise InputTypeError(f"plan must be a VarlenPlan or None, got {describe(plan)}")
+    if plan is not None and (plan.batch_size, plan.seqlen_q, plan.seqlen_k) != (b, sq, sk):
+        raise InputValueError(
+            f"plan was built for B={plan.batch_size}, Sq={plan.seqlen_q}, Sk={plan.seqlen_k}, "
+            f"got query {tuple(query.shape)} and key {tuple(key.shape)}"
+        )
+    return b, sq, sk
 
 
 def _check_options(dropout_p, scale, is_causal, enable_gqa):
@@ -117,18 +123,6 @@ def _sdpa_takes_mask_with_causal() -> bool:
 MASK_WITH_CAUSAL = _sdpa_takes_mask_with_causal()
 
 
-def _check_plan(plan, b: int, sq: int, sk: int, query, key) -> None:
-    if plan is None:
-        return
-    if not isinstance(plan, VarlenPlan):
-        raise InputTypeError(f"plan must be a VarlenPlan or None, got {describe(plan)}")
-    if (plan.batch_size, plan.seqlen_q, plan.seqlen_k) != (b, sq, sk):
-        raise InputValueError(
-            f"plan was built for B={plan.batch_size}, Sq={plan.seqlen_q}, Sk={plan.seqlen_k}, "
-            f"got query {tuple(query.shape)} and key {tuple(key.shape)}"
-        )
-
-
 GRAD_MASK_REASON = ("attn_mask requires grad (a learned bias): masked SDPA runs, so the mask "
                     "gets its gradient")
 
@@ -148,19 +142,6 @@ def _transformed(*tensors) -> bool:
         return False
     unpack = torch.autograd.forward_ad.unpack_dual
     return any(t is not None and unpack(t).tangent is not None for t in tensors)
-
-
-def _float01_read(mask4, policy: Policy):
-    """``mask4`` as the policy reads it, without a host read (a transform cannot batch one): a
-    float 0/1 mask becomes a 0 / -inf bias where ``float_mask="bool"``, decided on the device
-    (:func:`~varlen_attn.plan.read_float01_as_bool`, as plans read it); other masks stay as they are."""
-    if not mask4.is_floating_point() or policy.float_mask == "bias":
-        return mask4
-    if policy.float_mask == "error":
-        raise InputTypeError(
-            "float_mask='error' reads a float mask's values on the host, which a torch.func transform "
-            "cannot batch: pass a bool mask (True = keep), or choose float_mask='bool' or 'bias'")
-    return read_float01_as_bool(mask4)[0]
 
 
 def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: Options,
@@ -189,7 +170,13 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
                             deferred=checks is not None)
     if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
         r = execution.unpackable(policy, TRANSFORM_REASON, mask4)
-        return execution.run(q, k, v, None, _float01_read(mask4, policy), r, opts)
+        float01 = mask4.is_floating_point() and policy.float_mask != "bias"
+        if float01 and policy.float_mask == "error":
+            raise InputTypeError(
+                "float_mask='error' reads a float mask's values on the host, which a torch.func transform "
+                "cannot batch: pass a bool mask (True = keep), or choose float_mask='bool' or 'bias'")
+        # A float 0/1 mask read as boolean becomes its 0 / -inf bias on the device (Route.float01).
+        return execution.run(q, k, v, None, mask4, dataclasses.replace(r, float01=float01), opts)
     if plan is None and execution.factorable(mask4, opts, policy, checks, q.shape[0]):
         return execution.attend_outer(q, k, v, mask4, opts, policy, checks)
     return execution.attend(q, k, v, mask4, opts, policy, plan)
@@ -247,9 +234,7 @@ def sdpa_with_policy(query, key, value, attn_mask=None, dropout_p=_NO_DROPOUT, i
         dropout_p = 0.0
     dropout_p, scale, is_causal, enable_gqa = _check_options(dropout_p, scale, is_causal, enable_gqa)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-    b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bhsd")
-    _check_mask_dtype(attn_mask, query)
-    _check_plan(plan, b, sq, sk, query, key)
+    _, sq, sk = _check_qkv(query, key, value, enable_gqa, "bhsd", attn_mask, plan)
     if is_causal and sq != sk and plan is not None:
         # SDPA's causal part is top-left aligned; a plan packs bottom-right-aligned causal segments.
         if attn_mask is None:
@@ -318,8 +303,6 @@ def attention(
     """
     dropout_p, scale, is_causal, enable_gqa = _check_options(dropout_p, scale, is_causal, enable_gqa)
     query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-    b, sq, sk, _, _ = _check_qkv(query, key, value, enable_gqa, "bshd")
-    _check_mask_dtype(attn_mask, query)
-    _check_plan(plan, b, sq, sk, query, key)
+    _check_qkv(query, key, value, enable_gqa, "bshd", attn_mask, plan)
     return dispatch(query, key, value, attn_mask, convention="model", plan=plan,
                     opts=Options(scale, is_causal, dropout_p, enable_gqa), policy=Policy.of(backend, strict))

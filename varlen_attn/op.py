@@ -28,7 +28,7 @@ from .kernels import BACKENDS, VarlenInputs, in_graph_priority, priority, rows_a
 from .masks import outer_factors
 from .pack import gather_rows
 from .plan import (STATIC_PROBLEMS, VarlenPlan, is_key_padding, key_padding_side, plan_of_token,
-                   read_float01_as_bool, refuse_nan_inf, static_plan_of, static_plan_tensors_of, unpackable_reason)
+                   refuse_nan_inf, static_plan_of, static_plan_tensors_of, unpackable_reason)
 from .policy import Policy, float_mask_read_as_bool, mask_info
 
 # The compile suite passes on 2.10, 2.13 and 2.15; on 2.6 and 2.8 whole-model compile recompiled
@@ -176,11 +176,12 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], token:
     zeros elsewhere. ``training``: traced where a backward may follow (its entry may be kept for
     one). ``deferred``: traced in a forward that collects its checks (:func:`attention`)."""
     with torch._C.DisableTorchFunction():  # a TorchFunctionMode around the graph must not see our own calls
-        plan, r, mask4, opts, checked = _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict,
-                                                       convention, float_mask, model, deferred)
+        policy = Policy(backend, strict, float_mask, model)
+        plan, r, mask4, opts, checked = _forward_state(q, k, v, mask, token, scale, causal, gqa, policy, convention,
+                                                       deferred)
         # After a refusal the route is chosen again, not the plan (no second read, no second count).
         r, (out, lse_buf) = execution.rerouted(
-            backend, r, lambda: _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model),
+            backend, r, lambda: execution.route(q, k, v, plan, mask4, opts, policy),
             lambda r: _op_forward(q, k, v, plan, r, mask4, opts))
         entry = (plan, r, _kept_mask(plan, r, mask4, training), opts, convention)
         out = out if checked is None else checked(out)
@@ -200,12 +201,10 @@ def _op_forward(q, k, v, plan, r, mask4, opts):
     return out, q.new_zeros((h, b * sq), dtype=torch.float32)
 
 
-def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, convention, float_mask, model,
-                   deferred):
+def _forward_state(q, k, v, mask, token, scale, causal, gqa, policy: Policy, convention, deferred):
     """``(plan, route, mask4, options, checked)`` of a call of the op: ``checked`` None, or where the
     mask may be the outer product of the model's, its check (:func:`~varlen_attn.execution.outer_in_op`:
     the plan of the product, ``mask4`` its keys')."""
-    policy = Policy(backend, strict, float_mask, model)
     opts = Options(scale, causal, 0.0, gqa)
     plan = None if token is None else plan_of_token(token)
     if token is not None and plan is None:
@@ -217,11 +216,6 @@ def _forward_state(q, k, v, mask, token, scale, causal, gqa, backend, strict, co
         return plan, r, keys, opts, checked
     plan, r = execution.plan_and_route(q, k, v, mask4, opts, policy, plan)
     return plan, r, mask4, opts, None
-
-
-def _route(q, k, v, plan, mask4, opts, backend, strict, float_mask, model):
-    """:func:`varlen_attn.execution.route` of a call of the ops."""
-    return execution.route(q, k, v, plan, mask4, opts, Policy(backend, strict, float_mask, model))
 
 
 @attention_op.register_fake
@@ -474,9 +468,8 @@ def _static_attention(q, k, v, mask, *, plan, convention: str, opts: Options, po
                 f"float_mask='error' cannot check a float mask (dtype {mask.dtype}, shape {tuple(mask.shape)}) "
                 f"for 0/1 values under CUDA graphs with backend='sdpa' (that needs a host read): choose "
                 f"float_mask='bool' or 'bias', or another backend"))
-        if mask4.is_floating_point() and policy.float_mask == "bool":
-            mask4 = read_float01_as_bool(mask4)[0]  # on the device, as eager reads it
-        return execution.masked_sdpa(q, k, v, mask4, opts)
+        # A float 0/1 mask read as boolean: converted on the device, as eager converts it.
+        return execution.run(q, k, v, None, mask4, execution.stock_route(mask4, policy), opts)
     return static_attention(q, k, v, mask, convention=convention, opts=opts, policy=policy)[0]
 
 
@@ -523,7 +516,7 @@ def _static_route(q, k, v, plan_tensors, scale, gqa, backend, strict, float_mask
     """``(plan, route, opts)`` of the static op's forward and backward, from the plan's tensors."""
     plan = static_plan_of(plan_tensors, batch=q.shape[0], seqlen_q=q.shape[1], seqlen_k=k.shape[1])
     opts = Options(scale, False, 0.0, gqa)
-    return plan, _route(q, k, v, plan, None, opts, backend, strict, float_mask, model), opts
+    return plan, execution.route(q, k, v, plan, None, opts, Policy(backend, strict, float_mask, model)), opts
 
 
 @torch.library.custom_op("varlen_attn::static_attention", mutates_args=())

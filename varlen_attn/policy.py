@@ -1,22 +1,12 @@
-"""What the caller asked for (:class:`Policy`) and the plan one attention call runs with
-(:func:`resolve_plan`).
-
-Every path that needs a plan asks :func:`resolve_plan`: the functional entries, enabled models
-and processors (through them) and the custom op that runs under ``torch.compile``. A plan is
-built from the call's own mask (:func:`varlen_attn.plan.call_plan`), or is the one the caller
-passed: nothing is looked up by a mask's identity or history, so no write to a mask, anywhere,
-can make a call run with another mask's plan.
-"""
+"""What the caller asked for (:class:`Policy`), and how a float 0/1 mask read as boolean is told
+(:func:`float_mask_read_as_bool`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from ._errors import InputTypeError, InputValueError, check_bool, warn_once
 from .kernels import SDPA, requested_backend
-from .plan import VarlenPlan, call_plan, full_plan
 
 
 FLOAT_POLICIES = ("bool", "bias", "error")
@@ -55,26 +45,6 @@ class Policy:
         varlen backend over one all-valid plan: always inside a model, and for the functional
         entries unless a varlen backend or ``strict`` was asked for."""
         return self.model or (self.backend in ("auto", SDPA) and not self.strict)
-
-
-def resolve_plan(mask4: torch.Tensor | None, *, batch: int, seqlen_q: int, seqlen_k: int, device: torch.device,
-                 policy: Policy, plan: VarlenPlan | None = None, host: bool = False) -> VarlenPlan | None:
-    """The plan an attention call runs with, or None for a call without a mask that runs plain
-    SDPA (:attr:`Policy.unmasked_is_sdpa`): the caller's ``plan``; for no mask, None or the
-    all-valid plan; else the plan of the call's mask ``mask4`` (its ``[B|1, H|1, Sq|1, Sk]``
-    view), built now (:func:`~varlen_attn.plan.call_plan`). A float 0/1 mask is read as boolean
-    when ``policy.float_mask`` is ``"bool"`` (one warning per process) and refused under
-    ``"error"``; ``"bias"`` keeps SDPA's reading. ``host``: segment lengths on the host
-    (:func:`~varlen_attn.plan.call_plan`)."""
-    if plan is not None:
-        return plan
-    if mask4 is None:
-        return None if policy.unmasked_is_sdpa else full_plan(batch, seqlen_q, seqlen_k, device)
-    found = call_plan(mask4, batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
-                      float01_as_bool=policy.float_mask != "bias", host=host)
-    if found.read_as_bool:
-        float_mask_read_as_bool(policy.float_mask, mask_info(mask4.dtype, mask4.shape))
-    return found
 
 
 def mask_info(dtype, shape) -> str:
