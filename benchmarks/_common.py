@@ -299,6 +299,14 @@ _FLASH_MODULES = {"flash_attn_4": "flash_attn.cute", "flash_attn_3": "flash_attn
                   "flash_attn": "flash_attn.flash_attn_interface"}
 
 
+def stock_cheaper_on_cpu(kernel: str, layouts: tuple[str, ...] = ("key_padding",)) -> None:
+    """Make auto leave every masked float32 call on the CPU to stock's SDPA on ``kernel`` (a cost
+    table where stock costs half of packing at every length): for measuring what a call routed to
+    stock costs on the host (call_host_time.py, forward_host_time.py)."""
+    row = {"tokens": [1, 1 << 20], "routes": {f"sdpa:{kernel}": {"cost": [1, 1]}, "split_sdpa": {"cost": [2, 2]}}}
+    va.costs.use([{"gpu": "cpu", "capability": None, "dtype": "float32", "layouts": {name: row for name in layouts}}])
+
+
 def varlen_backends(device: torch.device) -> list[str]:
     """Installed varlen_attn backends for ``device`` in auto's order, without the slow reference."""
     return [n for n in va.available_backends(device) if n != "reference"]

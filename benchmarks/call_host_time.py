@@ -58,9 +58,9 @@ def measure(args) -> dict:
     x = torch.randn(B, S, H * D, requires_grad=True)
     results = {"varlen_attn": os.path.dirname(va.__file__)}
     if hasattr(va, "costs"):  # a table for this CPU where stock is cheaper at every length
-        row = {"tokens": [1, 1 << 20], "routes": {"sdpa:cpu": {"cost": [1, 1]}, "split_sdpa": {"cost": [2, 2]}}}
-        va.costs.use([{"gpu": "cpu", "capability": None, "dtype": "float32",
-                       "layouts": {"key_padding": row, "outer": row}}])
+        import _common as C
+
+        C.stock_cheaper_on_cpu("cpu", ("key_padding", "outer"))
     for kind in ("key_padding", "outer_product"):
         make = masks(kind)
         stock, enabled, to_stock = Attention(), Attention(), Attention()

@@ -36,13 +36,13 @@ def main():
     torch.set_num_threads(1)
     from types import SimpleNamespace
 
+    import _common as C
     import varlen_attn as va
     from train_step import LORA_TARGETS, add_lora, build_model
     from varlen_attn import costs, hook, model as vm
 
     costs.stock_kernel = lambda device, dtype: "cudnn"  # stock's kernel on an H100/H200
-    row = {"tokens": [1, 1 << 20], "routes": {"sdpa:cudnn": {"cost": [1, 1]}, "split_sdpa": {"cost": [2, 2]}}}
-    costs.use([{"gpu": "cpu", "capability": None, "dtype": "float32", "layouts": {"key_padding": row}}])
+    C.stock_cheaper_on_cpu("cudnn")
     cpu = torch.device("cpu")
 
     def make():  # train_step.py's CPU widths at the depth asked for, its LoRA on the attention projections

@@ -170,13 +170,13 @@ def dispatch(q, k, v, mask, *, convention: str, plan: VarlenPlan | None, opts: O
                             deferred=checks is not None)
     if _transformed(q, k, v, mask):  # eager only: dynamo traces under a functorch interpreter of its own
         r = execution.unpackable(policy, TRANSFORM_REASON, mask4)
-        float01 = mask4.is_floating_point() and policy.float_mask != "bias"
-        if float01 and policy.float_mask == "error":
+        if mask4.is_floating_point() and policy.float_mask == "error":
             raise InputTypeError(
                 "float_mask='error' reads a float mask's values on the host, which a torch.func transform "
                 "cannot batch: pass a bool mask (True = keep), or choose float_mask='bool' or 'bias'")
-        # A float 0/1 mask read as boolean becomes its 0 / -inf bias on the device (Route.float01).
-        return execution.run(q, k, v, None, mask4, dataclasses.replace(r, float01=float01), opts)
+        # Stock's route with the fallback's reason: a float 0/1 mask read as boolean is converted on the device.
+        return execution.run(q, k, v, None, mask4, dataclasses.replace(execution.stock_route(mask4, policy),
+                                                                       reason=r.reason), opts)
     if plan is None and execution.factorable(mask4, opts, policy, checks, q.shape[0]):
         return execution.attend_outer(q, k, v, mask4, opts, policy, checks)
     return execution.attend(q, k, v, mask4, opts, policy, plan)
