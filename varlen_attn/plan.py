@@ -1,8 +1,8 @@
 """The plan: a mask turned into what a varlen kernel needs.
 
 :func:`call_plan`: one attention call's plan from its own mask (no host read for boolean key
-padding, one otherwise). :func:`build_plan`: the explicit API, one host read, cached by mask
-object (:class:`_PlanCache`). docs/design.md ("One attention call, eager") has the story.
+padding, one otherwise). :func:`build_plan`: the explicit API, one host read. Both keep their
+plans in one cache, by the mask's values (:class:`_PlanCache`). docs/design.md ("One attention call, eager") has the story.
 """
 
 from __future__ import annotations
@@ -249,14 +249,14 @@ def build_plan(
             in the same single sync (``plan.read_as_bool`` tells which reading was taken). Left
             False, such a mask (other than all ones) keeps SDPA's reading, with one warning per
             process, and its plan takes a second sync.
-        cache: look the plan up in, and store it into, the cache keyed by mask object;
+        cache: look the plan up in, and store it into, the plan cache (by the mask's values);
             False always builds (one sync) and leaves the cache untouched.
 
     Returns:
-        A frozen plan. Cached by mask object: calling again with the same mask tensor and shape
-        returns the same plan after one device-side comparison with a copy of the mask (a
-        host read, no build); a mask changed in any way, also through ``.data``, numpy, its
-        storage or under ``torch.inference_mode``, gets a new plan.
+        A frozen plan. Cached by value: calling again with a mask of the same values, shape and
+        dtype returns the same plan after one device-side comparison with the kept copies of
+        masks of that shape (a host read, no build); a mask changed in any way, also through
+        ``.data``, numpy, its storage or under ``torch.inference_mode``, gets a new plan.
 
     Raises:
         InputValueError: NaN or +inf in the mask, or a shape that does not fit; a mask whose last
@@ -313,7 +313,7 @@ def build_plan(
             plan = _build(mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, False)
         return plan
 
-    plan = _CACHE.plan(attn_mask, key, build, weak=True) if cache else build(attn_mask)
+    plan = _PLANS.plan(attn_mask, ("build_plan", *key), build) if cache else build(attn_mask)
     if strict and not plan.packable:
         raise NotPackableError(plan.reason)
     return plan
@@ -512,69 +512,74 @@ def _static_side(valid: torch.Tensor):
 
 
 class _PlanCache:
-    """Plans kept with a copy of the mask each was built from (:func:`_compact_copy`); a plan is
-    taken only where the mask equals its copy in value (one host read, compared on the device),
-    so a mask changed in any way is built anew. ``weak``: keyed also by the mask object, whose
-    collection drops the entry. Masks over ``limit`` elements are never kept; past ``capacity``
-    entries the oldest goes."""
+    """Plans kept with a copy of the mask each was built from (:func:`_compact_copy`), by the
+    call's structure (the mask's shape, dtype and device, and how it is read). A plan is taken
+    only where the mask equals a kept copy in value: one comparison on the device with every copy
+    of that structure, one host read. So a mask changed in any way is built anew, and masks that
+    take turns (a conditional and an unconditional batch) each keep their plan. At most
+    ``per_key`` copies of one structure and ``limit`` bytes of copies in all; the least recently
+    used goes first."""
 
-    def __init__(self, capacity: int, limit: int):
-        self._entries: dict[tuple, tuple] = {}
+    def __init__(self, per_key: int, limit: int):
+        self._entries: list[tuple] = []  # (key, copy, plan), most recently used last
         self._lock = threading.Lock()
-        self._capacity, self._limit = capacity, limit
+        self._per_key, self._limit = per_key, limit
 
-    def plan(self, mask: torch.Tensor, key: tuple, build, weak: bool = False) -> VarlenPlan:
-        """The kept plan of ``key`` where ``mask`` equals its copy (NaN equals nothing), else
+    def plan(self, mask: torch.Tensor, key: tuple, build) -> VarlenPlan:
+        """A kept plan of ``key`` whose copy equals ``mask`` (NaN equals nothing), else
         ``build(copy)``: built from the copy, the kept plan is the copy's even if ``mask`` changes."""
-        key = (id(mask) if weak else None, tuple(mask.shape), mask.dtype, mask.device, *key)
+        key = (tuple(mask.shape), mask.dtype, mask.device, *key)
         with self._lock:
-            entry = self._entries.get(key)
-        if entry is not None and (entry[2] is None or entry[2]() is mask):
-            if not _host(torch.ne(entry[0], mask).any()):
-                return entry[1]
+            kept = [e for e in self._entries if e[0] == key]
+        if kept:
+            differs = [torch.ne(copy, mask).any() for _, copy, _ in kept]
+            differs = _host(torch.stack(differs)) if len(differs) > 1 else [_host(differs[0])]
+            hit = next((e for e, d in zip(kept, differs) if not d), None)
+            if hit is not None:
+                with self._lock:
+                    self._entries = [e for e in self._entries if e is not hit] + [hit]
+                return hit[2]
         copy = _compact_copy(mask, self._limit)
         if copy is None:
             return build(mask)
         plan = build(copy.expand(mask.shape))
-        ref = weakref.ref(mask, lambda ref: self._evict(key, ref)) if weak else None
         with self._lock:
-            self._entries.pop(key, None)
-            if len(self._entries) >= self._capacity:
-                self._entries.pop(next(iter(self._entries)))
-            self._entries[key] = (copy, plan, ref)
+            entries = [*self._entries, (key, copy, plan)]
+            same_key = [e for e in entries if e[0] == key]
+            entries = [e for e in entries if not any(e is old for old in same_key[:-self._per_key])]
+            while sum(_nbytes(e[1]) for e in entries) > self._limit:
+                entries.pop(0)
+            self._entries = entries
         return plan
-
-    def _evict(self, key: tuple, ref: weakref.ref) -> None:
-        with self._lock:
-            if self._entries.get(key, (None,) * 3)[2] is ref:
-                del self._entries[key]
 
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _compact_copy(mask: torch.Tensor, limit: int) -> torch.Tensor | None:
     """A copy of ``mask`` with its broadcast (stride-0) dims kept at size 1 (a mask expanded over
     heads costs one head's memory; compared with a mask by broadcasting), or None past ``limit``
-    elements."""
+    bytes."""
     index = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None) for n, st in zip(mask.shape, mask.stride()))
     view = mask.detach()[index]
-    return view.clone() if view.numel() <= limit else None
+    return view.clone() if _nbytes(view) <= limit else None
 
 
-# build_plan's plans by mask object, masks up to 4 M elements; call_plan's by structure, four,
-# up to 256 M elements each (Chroma's 1024 px [3, 1, 4608, 4608] mask has 64 M).
-_CACHE = _PlanCache(capacity=32, limit=1 << 22)
-_CALL_PLANS = _PlanCache(capacity=4, limit=1 << 28)
+# The plans of build_plan and of attention calls (call_plan), one cache: up to 4 masks of one
+# structure, 1 GiB of copies in all (Chroma's 1024 px [3, 1, 4608, 4608] bool mask is 64 MiB).
+_PLANS = _PlanCache(per_key=4, limit=1 << 30)
 
 
 def clear_plan_cache() -> None:
     """Forget every plan cached by :func:`build_plan` and by attention calls (:func:`call_plan`;
     this frees their copies of the masks), and the cached all-valid plans: the next call on any
     mask builds anew. Plans already handed out stay valid."""
-    _CACHE.clear()
-    _CALL_PLANS.clear()
+    _PLANS.clear()
     _FULL_PLANS.clear()
 
 
@@ -654,7 +659,7 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
 
     * A boolean key-padding mask (``[B|1, 1, 1, Sk]``: every query attends the same keys): a
       static plan built on the device with **no host read**; queries stay in place.
-    * Any other mask: a kept plan of an equal mask (:data:`_CALL_PLANS`, one host read), else
+    * Any other mask: a kept plan of an equal mask (:data:`_PLANS`, one host read), else
       read as a padding mask in one host read: a static plan, an unpackable plan saying why, or,
       for several segments per element, the general plan (:func:`build_plan`, one more read).
 
@@ -671,7 +676,7 @@ def call_plan(mask4: torch.Tensor, *, batch: int, seqlen_q: int, seqlen_k: int,
     # there) and the same inference mode (inference tensors cannot be saved for backward).
     stream = torch.cuda.current_stream(mask4.device).stream_id if mask4.is_cuda else None
     key = (batch, seqlen_q, seqlen_k, float01_as_bool, host, stream, torch.is_inference_mode_enabled())
-    return _CALL_PLANS.plan(mask4, key, lambda m: _built_plan(m, batch, seqlen_q, seqlen_k, float01_as_bool, host))
+    return _PLANS.plan(mask4, ("call", *key), lambda m: _built_plan(m, batch, seqlen_q, seqlen_k, float01_as_bool, host))
 
 
 def _built_plan(mask4, batch, seqlen_q, seqlen_k, float01_as_bool, host) -> VarlenPlan:
