@@ -1,8 +1,8 @@
 """The plan: a mask turned into what a varlen kernel needs.
 
 :func:`call_plan`: one attention call's plan from its own mask (no host read for boolean key
-padding, one otherwise). :func:`build_plan`: the explicit API, one host read. Both keep their
-plans in one cache, by the mask's values (:class:`_PlanCache`). docs/design.md ("One attention call, eager") has the story.
+padding, one otherwise). :func:`build_plan`: the explicit API, one host read, by mask object.
+Both keep their plans in one cache, confirmed by the mask's values (:class:`_PlanCache`). docs/design.md ("One attention call, eager") has the story.
 """
 
 from __future__ import annotations
@@ -249,14 +249,14 @@ def build_plan(
             in the same single sync (``plan.read_as_bool`` tells which reading was taken). Left
             False, such a mask (other than all ones) keeps SDPA's reading, with one warning per
             process, and its plan takes a second sync.
-        cache: look the plan up in, and store it into, the plan cache (by the mask's values);
+        cache: look the plan up in, and store it into, the plan cache, by mask object;
             False always builds (one sync) and leaves the cache untouched.
 
     Returns:
-        A frozen plan. Cached by value: calling again with a mask of the same values, shape and
-        dtype returns the same plan after one device-side comparison with the kept copies of
-        masks of that shape (a host read, no build); a mask changed in any way, also through
-        ``.data``, numpy, its storage or under ``torch.inference_mode``, gets a new plan.
+        A frozen plan. Cached by mask object: calling again with the same mask tensor and shape
+        returns the same plan after one device-side comparison with a copy of the mask (a
+        host read, no build); a mask changed in any way, also through ``.data``, numpy, its
+        storage or under ``torch.inference_mode``, gets a new plan.
 
     Raises:
         InputValueError: NaN or +inf in the mask, or a shape that does not fit; a mask whose last
@@ -313,7 +313,7 @@ def build_plan(
             plan = _build(mask, batch_size, seqlen_q, seqlen_k, num_heads, convention, False)
         return plan
 
-    plan = _PLANS.plan(attn_mask, ("build_plan", *key), build) if cache else build(attn_mask)
+    plan = _PLANS.plan(attn_mask, ("build_plan", *key), build, weak=True) if cache else build(attn_mask)
     if strict and not plan.packable:
         raise NotPackableError(plan.reason)
     return plan
@@ -516,23 +516,24 @@ class _PlanCache:
     call's structure (the mask's shape, dtype and device, and how it is read). A plan is taken
     only where the mask equals a kept copy in value: one comparison on the device with every copy
     of that structure, one host read. So a mask changed in any way is built anew, and masks that
-    take turns (a conditional and an unconditional batch) each keep their plan. At most
-    ``per_key`` copies of one structure and ``limit`` bytes of copies in all; the least recently
-    used goes first."""
+    take turns (a conditional and an unconditional batch) each keep their plan. ``weak``: keyed
+    also by the mask object, whose collection drops the entry (a new mask then costs its build's
+    read alone, not a comparison as well). At most ``per_key`` copies of one key, ``capacity``
+    entries and ``limit`` bytes of copies in all; the least recently used goes first."""
 
-    def __init__(self, per_key: int, limit: int):
-        self._entries: list[tuple] = []  # (key, copy, plan), most recently used last
+    def __init__(self, per_key: int, capacity: int, limit: int):
+        self._entries: list[tuple] = []  # (key, copy, plan, weak reference or None), most recently used last
         self._lock = threading.Lock()
-        self._per_key, self._limit = per_key, limit
+        self._per_key, self._capacity, self._limit = per_key, capacity, limit
 
-    def plan(self, mask: torch.Tensor, key: tuple, build) -> VarlenPlan:
+    def plan(self, mask: torch.Tensor, key: tuple, build, weak: bool = False) -> VarlenPlan:
         """A kept plan of ``key`` whose copy equals ``mask`` (NaN equals nothing), else
         ``build(copy)``: built from the copy, the kept plan is the copy's even if ``mask`` changes."""
-        key = (tuple(mask.shape), mask.dtype, mask.device, *key)
+        key = (id(mask) if weak else None, tuple(mask.shape), mask.dtype, mask.device, *key)
         with self._lock:
-            kept = [e for e in self._entries if e[0] == key]
+            kept = [e for e in self._entries if e[0] == key and (e[3] is None or e[3]() is mask)]
         if kept:
-            differs = [torch.ne(copy, mask).any() for _, copy, _ in kept]
+            differs = [torch.ne(copy, mask).any() for _, copy, _, _ in kept]
             differs = _host(torch.stack(differs)) if len(differs) > 1 else [_host(differs[0])]
             hit = next((e for e, d in zip(kept, differs) if not d), None)
             if hit is not None:
@@ -543,18 +544,23 @@ class _PlanCache:
         if copy is None:
             return build(mask)
         plan = build(copy.expand(mask.shape))
+        ref = weakref.ref(mask, self._evict) if weak else None
         with self._lock:
-            entries = [*self._entries, (key, copy, plan)]
+            entries = [*self._entries, (key, copy, plan, ref)]
             same_key = [e for e in entries if e[0] == key]
             entries = [e for e in entries if not any(e is old for old in same_key[:-self._per_key])]
-            while sum(_nbytes(e[1]) for e in entries) > self._limit:
+            while len(entries) > self._capacity or sum(_nbytes(e[1]) for e in entries) > self._limit:
                 entries.pop(0)
             self._entries = entries
         return plan
 
+    def _evict(self, ref: weakref.ref) -> None:
+        with self._lock:
+            self._entries = [e for e in self._entries if e[3] is not ref]
+
     def clear(self) -> None:
         with self._lock:
-            self._entries.clear()
+            self._entries = []
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -570,9 +576,10 @@ def _compact_copy(mask: torch.Tensor, limit: int) -> torch.Tensor | None:
     return view.clone() if _nbytes(view) <= limit else None
 
 
-# The plans of build_plan and of attention calls (call_plan), one cache: up to 4 masks of one
-# structure, 1 GiB of copies in all (Chroma's 1024 px [3, 1, 4608, 4608] bool mask is 64 MiB).
-_PLANS = _PlanCache(per_key=4, limit=1 << 30)
+# The plans of attention calls (call_plan) and of build_plan (by mask object too), one cache: up
+# to 4 masks of one structure, 32 in all, 1 GiB of copies (Chroma's 1024 px [3, 1, 4608, 4608]
+# bool mask is 64 MiB).
+_PLANS = _PlanCache(per_key=4, capacity=32, limit=1 << 30)
 
 
 def clear_plan_cache() -> None:
