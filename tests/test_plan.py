@@ -405,6 +405,31 @@ def test_masks_taking_turns_each_keep_their_plan_in_the_one_cache():
     assert va.stats()["plan_builds"] == 1, va.stats()
 
 
+def test_a_mask_collected_while_the_plan_cache_is_locked_leaves_it():
+    """A build_plan mask freed by a garbage-collection pass that runs while the cache's lock is
+    held (any allocation inside it can start one) drops its entry there and then, in the same
+    thread, instead of waiting forever for the lock."""
+    import gc
+
+    from varlen_attn.plan import _PLANS
+
+    holder = {"mask": torch.tensor([[True, True, False], [True, False, False]])}
+    holder["self"] = holder  # the mask is freed by the cycle collector only
+    va.build_plan(holder["mask"])
+    assert len(_PLANS._entries) == 1
+    del holder
+    done = threading.Event()
+
+    def collect_under_the_lock():
+        with _PLANS._lock:
+            gc.collect()
+        done.set()
+
+    threading.Thread(target=collect_under_the_lock, daemon=True).start()
+    assert done.wait(10), "the cache's lock was taken again by the same thread and never released"
+    assert _PLANS._entries == []
+
+
 def test_the_kept_copy_of_a_mask_expanded_over_heads_holds_one_head():
     """A mask expanded over heads (stride 0) is kept as one head's copy, and a later mask with
     those values in every head takes its plan, while one that differs in any head does not."""

@@ -523,7 +523,8 @@ class _PlanCache:
 
     def __init__(self, per_key: int, capacity: int, limit: int):
         self._entries: list[tuple] = []  # (key, copy, plan, weak reference or None), most recently used last
-        self._lock = threading.Lock()
+        # Reentrant: a mask collected while the lock is held (a GC pass inside it) calls _evict here.
+        self._lock = threading.RLock()
         self._per_key, self._capacity, self._limit = per_key, capacity, limit
 
     def plan(self, mask: torch.Tensor, key: tuple, build, weak: bool = False) -> VarlenPlan:
