@@ -2,7 +2,8 @@
 
 :func:`call_plan`: one attention call's plan from its own mask (no host read for boolean key
 padding, one otherwise). :func:`build_plan`: the explicit API, one host read, by mask object.
-Both keep their plans in one cache, confirmed by the mask's values (:class:`_PlanCache`). docs/design.md ("One attention call, eager") has the story.
+Both keep their plans in one cache, confirmed by the mask's values (:class:`_PlanCache`).
+docs/design.md ("One attention call, eager") has the story.
 """
 
 from __future__ import annotations
@@ -547,11 +548,12 @@ class _PlanCache:
         plan = build(copy.expand(mask.shape))
         ref = weakref.ref(mask, self._evict) if weak else None
         with self._lock:
-            entries = [*self._entries, (key, copy, plan, ref)]
-            same_key = [e for e in entries if e[0] == key]
-            entries = [e for e in entries if not any(e is old for old in same_key[:-self._per_key])]
-            while len(entries) > self._capacity or sum(_nbytes(e[1]) for e in entries) > self._limit:
-                entries.pop(0)
+            same_key = [e for e in self._entries if e[0] == key]
+            oldest = same_key[0] if len(same_key) >= self._per_key else None
+            entries = [e for e in self._entries if e is not oldest] + [(key, copy, plan, ref)]
+            size = sum(_nbytes(e[1]) for e in entries)
+            while len(entries) > self._capacity or size > self._limit:
+                size -= _nbytes(entries.pop(0)[1])
             self._entries = entries
         return plan
 
