@@ -222,16 +222,18 @@ def enable(model: torch.nn.Module, spec: str) -> None:
     (compiled blocks keep attention in the custom op, ``in_graph=False``), ``@notrim``
     (``trim_text=False``: the padded text columns stay in the model), ``@stockmask``
     (``restore_checkpoint_mask=False``: checkpointed blocks called without their mask attend
-    unmasked, as stock's do) and ``@costs=FILE`` (auto
-    routes this variant's steps by the cost table FILE; :class:`Variant`). Eagerly ``@general``
+    unmasked, as stock's do), ``@costs=FILE`` (auto routes this variant's steps by the cost
+    table FILE) and ``@bucket=N`` (its kept text lengths round up to N, ``varlen_attn.trim.BUCKET``
+    for its steps: buckets compared side by side; :class:`Variant`). Eagerly ``@general``
     changes nothing: ``varlen:auto,varlen:auto@general`` is an A/A pair, what the harness resolves
     (at 512 px on an H200 two such variants differed by 6-12% over 8-10 rounds, and by 0.2%,
     interval 0.99-1.02, over 50 rounds of one step: benchmarks/NOTES.md entries 57, 58)."""
     backend, *options = spec.split("@")
     known = ("general", "notrim", "stockmask")
-    unknown = [o for o in options if o not in known and not o.startswith("costs=")]
+    unknown = [o for o in options if o not in known and not o.startswith(("costs=", "bucket="))]
     if unknown:
-        raise SystemExit(f"variant {spec!r}: unknown options {unknown} (expected {', '.join(known)}, costs=FILE)")
+        raise SystemExit(f"variant {spec!r}: unknown options {unknown} "
+                         f"(expected {', '.join(known)}, costs=FILE, bucket=N)")
     va.enable_varlen(model, backend=backend, in_graph="general" not in options,
                      trim_text="notrim" not in options, restore_checkpoint_mask="stockmask" not in options)
 
@@ -365,6 +367,9 @@ class Variant:
         path = next((o.removeprefix("costs=") for o in name.removesuffix(NO_CUDNN).split("@")[1:]
                      if o.startswith("costs=")), None)
         self.tables = va.costs.load(path) if path else None
+        # "@bucket=N": the trim's bucket for this variant's steps, the packaged one for the others.
+        self.bucket = next((int(o.removeprefix("bucket=")) for o in name.removesuffix(NO_CUDNN).split("@")[1:]
+                            if o.startswith("bucket=")), va.trim.BUCKET)
         self.lora = [p for p in model.parameters() if p.requires_grad]
         self.opt = torch.optim.AdamW(self.lora, lr=lr)
         self.rounds: list[list[float]] = []  # ms per timed step, one list per round's turn
@@ -396,12 +401,14 @@ class Variant:
         if self.cudnn is not None:
             torch.backends.cuda.enable_cudnn_sdp(self.cudnn)
         select_tables(self)
+        bucket, va.trim.BUCKET = va.trim.BUCKET, self.bucket
         try:
             out = self.model(**batch.kwargs(mask))[0]
             loss = F.mse_loss(out.float(), batch.target.float())
             loss.backward()
         finally:
             torch.backends.cuda.enable_cudnn_sdp(before)
+            va.trim.BUCKET = bucket
         if probe:
             self.first = {"output": out.detach().float().clone(), "loss": loss.item(),
                           "lora_with_grad": sum(p.grad is not None for p in self.lora), "lora_tensors": len(self.lora)}
