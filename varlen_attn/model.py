@@ -214,7 +214,7 @@ def enable_varlen(
             False: varlen_attn's custom op everywhere (one host read per call where a plan needs one).
         trim_text: before each forward of a model listed in :data:`varlen_attn.trim.TEXT_INPUTS`
             (Chroma, Qwen-Image, HunyuanVideo, Sana, PixArt, LTX-Video), cut the trailing text columns that
-            every sample masks, the kept length rounded up to a multiple of 128 (one host read per
+            every sample masks, the kept length rounded up to a multiple of 16 (one host read per
             forward). Kept tokens' results are unchanged; False keeps the inputs' shapes (CUDA
             graphs captured at one length).
 

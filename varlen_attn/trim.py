@@ -27,10 +27,13 @@ TEXT_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
     "LTXVideoTransformer3DModel": ("encoder_attention_mask", ("encoder_hidden_states",)),
 }
 
-# Kept lengths are rounded up to a multiple of this: a compiled model sees at most T / BUCKET text
-# lengths (4 for Chroma's 512), and the joint sequence keeps its length modulo 128, where stock's
-# kernels fail least (varlen_attn.costs.cudnn_rows_fail).
-BUCKET = 128
+# Kept lengths are rounded up to a multiple of this. Chroma 1024 px LoRA steps on an H200 (FA4,
+# prompts of 78/301/3 kept columns of 512; benchmarks/NOTES.md entry 67), faster than trimming off
+# by: 1 (301 columns) 3.7%, 8 and 16 (304) 3.5%, 32 and 64 (320) 2.4%; in another process 16
+# 3.5%, 64 2.6%, 128 (384) 1.6%. Blocks
+# compiled with dynamic shapes (dynamo's default) compile twice whatever the bucket
+# (tests/test_trim.py); compiled with dynamic=False they see up to T / 16 text lengths.
+BUCKET = 16
 
 
 _SPECS: dict[type, tuple[str, tuple[str, ...]] | None] = {}
