@@ -131,3 +131,21 @@ def test_train_steps_interval_of_the_paired_median_holds_it_narrows_with_rounds_
         assert lo <= statistics.median(values) <= hi
         assert median_ci(values) == (lo, hi)
     assert median_ci(many)[1] - median_ci(many)[0] < median_ci(few)[1] - median_ci(few)[0]
+
+
+def test_train_steps_bucket_option_rounds_only_its_variants_text(tmp_path):
+    """``@bucket=N`` sets the trim's rounding for that variant's steps alone. On the CPU Chroma's
+    text is padded to 16 and its prompts keep 6, 13 and 3 columns: the package's bucket of 16 cuts
+    nothing, 2 cuts 2 columns a sample (14 kept), and the variant after it is back to 16."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    out = tmp_path / "steps.json"
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--device", "cpu",
+                           "--variants", "varlen:auto@bucket=2,varlen:auto", "--rounds", "1", "--reps", "1",
+                           "--warmup", "1", "--json", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    results = json.loads(out.read_text())["results"]
+    two, default = results["varlen:auto@bucket=2"], results["varlen:auto"]
+    assert two["stats"]["text_trims"] == two["timed_steps"] == 1
+    assert two["stats"]["trimmed_tokens"] == 3 * 2
+    assert default["stats"]["text_trims"] == 0 and default["stats"]["trimmed_tokens"] == 0
