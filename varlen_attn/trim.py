@@ -30,9 +30,11 @@ TEXT_INPUTS: dict[str, tuple[str, tuple[str, ...]]] = {
 # Kept lengths are rounded up to a multiple of this. Chroma 1024 px LoRA steps on an H200 (FA4,
 # prompts of 78/301/3 kept columns of 512; benchmarks/NOTES.md entry 67), faster than trimming off
 # by: 1 (301 columns) 3.7%, 8 and 16 (304) 3.5%, 32 and 64 (320) 2.4%; in another process 16
-# 3.5%, 64 2.6%, 128 (384) 1.6%. Blocks
-# compiled with dynamic shapes (dynamo's default) compile twice whatever the bucket
-# (tests/test_trim.py); compiled with dynamic=False they see up to T / 16 text lengths.
+# 3.5%, 64 2.6%, 128 (384) 1.6%. Blocks compiled with dynamic shapes (dynamo's default) compile
+# twice whatever the bucket (tests/test_trim.py); with dynamic=False they see up to T / 16 text
+# lengths. Lengths off a multiple of 128 are safe for stock's kernels: masks with rows never
+# reach cuDNN's attention (varlen_attn.costs.cudnn_rows_fail), and Chroma 512 px's key-padding
+# calls at 1,328 tokens ran on it for 41 rounds (entry 67).
 BUCKET = 16
 
 
