@@ -14,15 +14,16 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HEADLINE = os.path.join(ROOT, "benchmarks", "headline.py")
+TRAIN_STEP = os.path.join(ROOT, "benchmarks", "train_step.py")
 VARIANTS = ["stock", "nomask", "varlen:auto", "varlen:split_sdpa"]
 
 pytest.importorskip("diffusers")
 pytest.importorskip("peft")
 
 
-def run(*argv, timeout=240):
+def run(*argv, timeout=240, script=HEADLINE):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    return subprocess.run([sys.executable, HEADLINE, *argv], capture_output=True, text=True, env=env,
+    return subprocess.run([sys.executable, script, *argv], capture_output=True, text=True, env=env,
                           timeout=timeout, cwd=ROOT)
 
 
@@ -105,10 +106,7 @@ def test_bad_cell_is_refused_with_its_name():
 def test_train_step_refuses_compiled_variants_that_differ_in_cudnn():
     """A compiled graph keeps the SDPA kernel it was compiled with (and dynamo does not guard on
     cuDNN's flag): compiled ``stock`` and ``stock/nocudnn`` would share one kernel."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"),
-                           "--compile", "blocks", "--variants", "stock,stock/nocudnn"], capture_output=True, text=True, env=env,
-                          timeout=120, cwd=ROOT)
+    proc = run("--compile", "blocks", "--variants", "stock,stock/nocudnn", timeout=120, script=TRAIN_STEP)
     assert proc.returncode != 0
     assert "compiled variants cannot differ in cuDNN's attention" in proc.stderr, proc.stderr[-2000:]
 
@@ -137,12 +135,9 @@ def test_train_steps_bucket_option_rounds_only_its_variants_text(tmp_path):
     """``@bucket=N`` sets the trim's rounding for that variant's steps alone. On the CPU Chroma's
     text is padded to 16 and its prompts keep 6, 13 and 3 columns: the package's bucket of 16 cuts
     nothing, 2 cuts 2 columns a sample (14 kept), and the variant after it is back to 16."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     out = tmp_path / "steps.json"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "train_step.py"), "--device", "cpu",
-                           "--variants", "varlen:auto@bucket=2,varlen:auto", "--rounds", "1", "--reps", "1",
-                           "--warmup", "1", "--json", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    proc = run("--device", "cpu", "--variants", "varlen:auto@bucket=2,varlen:auto", "--rounds", "1", "--reps", "1",
+               "--warmup", "1", "--json", str(out), timeout=300, script=TRAIN_STEP)
     assert proc.returncode == 0, proc.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
     two, default = results["varlen:auto@bucket=2"], results["varlen:auto"]
